@@ -1,0 +1,33 @@
+# flowrl — the two commands of the quickstart, plus helpers.
+#   make demo   set up, then train the default job on embedded defaults (~5 min on 2 CPU cores)
+#   make test   set up, then run the test suite
+VENV   ?= .venv
+PYTHON ?= python3
+BIN     = $(VENV)/bin
+STAMP   = $(VENV)/.flowrl-installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+# torch first, pinned to the local CPU wheel: any other torch spec pulls GBs of CUDA packages.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt -e ".[dev]"
+	touch $@
+
+demo: setup
+	$(BIN)/flowrl train configs/arithmetic.yaml
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+bench: setup
+	$(BIN)/python benchmarks/step_time.py --out docs/benchmarks/step_time.md
+
+clean:
+	rm -rf .flowrl

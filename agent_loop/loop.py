@@ -1,0 +1,208 @@
+"""The agent loop: a finite-state machine over token ids, run for a batch of episodes at once.
+
+Each episode goes ``PENDING → GENERATING ⇄ INTERACTING → TERMINATED``:
+
+- PENDING: ``env.reset(**row)``; the system prompt (when non-empty) and the first user message
+  are rendered with ``chat.encode_prompt``. Tokens get mask 0 and log-prob 0.
+- GENERATING: all generating episodes are sampled in ONE ``sampler.sample`` call per round.
+  Sampled tokens get mask 1 and the sampler's log-probs. Only this turn's tokens are decoded
+  (a trailing stop token stripped) and passed to ``env.step``; the turn reward is recorded.
+- INTERACTING: the observation is rendered with ``chat.encode_turn`` and appended with mask 0.
+
+Nothing is ever decoded and re-encoded: the token sequence is exactly what was produced.
+
+Context budget rule (``max_context_tokens`` counts prompt + all turns):
+- a turn samples at most ``min(max_new_tokens, max_context_tokens - len(tokens))`` tokens;
+- the env is ALWAYS stepped with whatever the turn produced, even when the turn was cut short,
+  so every policy turn has a reward; the episode then ends with, in order of precedence,
+  DONE (the env said so), MAX_TURNS (all turns used), or MAX_TOKENS (the next observation
+  would leave no room for even one more sampled token; it is then not appended);
+- a prompt that already fills the budget ends as MAX_TOKENS before any sampling.
+When a turn ends without a stop token and the episode goes on, the first stop token is appended
+(mask 0) to close the assistant message before the observation, as a rendered chat would.
+
+An exception from ``env.reset`` or ``env.step`` ends only that episode, with StopReason.ERROR
+and ``info["error"] = repr(exc)``; the other episodes carry on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent_loop.types import (
+    ChatFormat,
+    FSMState,
+    Sampler,
+    SampleResult,
+    StopReason,
+    Trajectory,
+)
+from environments.types import Environment
+
+
+@dataclass(frozen=True)
+class LoopLimits:
+    """Budgets of one episode."""
+
+    max_turns: int = 1
+    """Policy turns per episode."""
+    max_new_tokens: int = 16
+    """Sampled tokens per turn (further capped by the remaining context)."""
+    max_context_tokens: int = 256
+    """Prompt + all turns, sampled and injected."""
+    temperature: float = 1.0
+    """Sampling temperature."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_new_tokens", "max_context_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"LoopLimits.{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class _Episode:
+    """Mutable bookkeeping of one episode while the loop runs."""
+
+    env: Environment
+    traj: Trajectory
+    state: FSMState = FSMState.PENDING
+    turns: int = 0
+    truncated: bool = False
+    """True when the latest turn ended without a stop token."""
+    env_info: dict[str, Any] = field(default_factory=dict)
+
+
+def run_episodes(
+    envs: list[Environment],
+    rows: list[dict[str, Any]],
+    group_ids: list[int],
+    sampler: Sampler,
+    chat: ChatFormat,
+    limits: LoopLimits,
+    episode_ids: list[str] | None = None,
+) -> list[Trajectory]:
+    """Play one episode per ``(env, row)`` and return their trajectories, in input order.
+
+    ``envs[i]`` is reset with ``rows[i]``; episode ``i`` belongs to group ``group_ids[i]``.
+    ``episode_ids`` default to ``"episode-{i}"``. Each trajectory's ``info`` holds the last
+    ``StepResult.info`` plus ``num_turns``, ``truncated`` and (on ERROR) ``error``.
+    """
+    ids = episode_ids if episode_ids is not None else [f"episode-{i}" for i in range(len(envs))]
+    if not len(envs) == len(rows) == len(group_ids) == len(ids):
+        raise ValueError(
+            f"envs, rows, group_ids and episode_ids differ in length: "
+            f"{len(envs)}, {len(rows)}, {len(group_ids)}, {len(ids)}"
+        )
+    episodes = [
+        _Episode(env, Trajectory(episode_id=eid, group_id=gid))
+        for env, gid, eid in zip(envs, group_ids, ids, strict=True)
+    ]
+    for episode, row in zip(episodes, rows, strict=True):
+        _start(episode, row, chat, limits)
+    while generating := [e for e in episodes if e.state is FSMState.GENERATING]:
+        _generate_round(generating, sampler, chat, limits)
+    return [e.traj for e in episodes]
+
+
+def _start(episode: _Episode, row: dict[str, Any], chat: ChatFormat, limits: LoopLimits) -> None:
+    """PENDING: reset the env and render the opening messages."""
+    try:
+        user_message = episode.env.reset(**row)
+        system_prompt = episode.env.get_system_prompt()
+    except Exception as exc:  # any env failure ends only this episode
+        _fail(episode, exc)
+        return
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": user_message})
+    episode.traj.messages.extend(messages)
+    _append(episode.traj, chat.encode_prompt(messages))
+    episode.traj.prompt_len = len(episode.traj.tokens)
+    if _room(episode.traj, limits) < 1:
+        _terminate(episode, StopReason.MAX_TOKENS)
+    else:
+        episode.state = FSMState.GENERATING
+
+
+def _generate_round(
+    episodes: list[_Episode], sampler: Sampler, chat: ChatFormat, limits: LoopLimits
+) -> None:
+    """GENERATING: one sampler call for every generating episode, then one env step each."""
+    budgets = [min(limits.max_new_tokens, _room(e.traj, limits)) for e in episodes]
+    prompts = [list(e.traj.tokens) for e in episodes]
+    results = sampler.sample(prompts, max(budgets), limits.temperature)
+    if len(results) != len(episodes):
+        raise RuntimeError(f"sampler returned {len(results)} results for {len(prompts)} prompts")
+    for episode, result, budget in zip(episodes, results, budgets, strict=True):
+        _take_turn(episode, result, budget, chat, limits)
+
+
+def _take_turn(
+    episode: _Episode, result: SampleResult, budget: int, chat: ChatFormat, limits: LoopLimits
+) -> None:
+    """Append one turn's sampled tokens, step the env with their text, pick the next state."""
+    if len(result.logprobs) != len(result.tokens):
+        raise RuntimeError(
+            f"sampler returned {len(result.tokens)} tokens but {len(result.logprobs)} logprobs"
+        )
+    # The batch was sampled with the largest budget; keep this episode's own share.
+    tokens, logprobs = list(result.tokens[:budget]), list(result.logprobs[:budget])
+    _append(episode.traj, tokens, logprobs)
+    episode.turns += 1
+    stopped = bool(tokens) and tokens[-1] in chat.stop_token_ids
+    episode.truncated = not stopped
+    action = chat.decode(tokens[:-1] if stopped else tokens)
+    episode.traj.messages.append({"role": "assistant", "content": action})
+    try:
+        step = episode.env.step(action)
+    except Exception as exc:  # any env failure ends only this episode
+        _fail(episode, exc)
+        return
+    episode.traj.turn_rewards.append(float(step.reward))
+    episode.env_info = dict(step.info)
+    if step.done:
+        _terminate(episode, StopReason.DONE)
+    elif episode.turns >= limits.max_turns:
+        _terminate(episode, StopReason.MAX_TURNS)
+    else:
+        _interact(episode, step.observation, chat, limits)
+
+
+def _interact(episode: _Episode, observation: str, chat: ChatFormat, limits: LoopLimits) -> None:
+    """INTERACTING: inject the observation (mask 0) if a reply can still fit after it."""
+    episode.state = FSMState.INTERACTING
+    message = {"role": "user", "content": observation}
+    closing = chat.stop_token_ids[:1] if episode.truncated else []
+    injected = closing + chat.encode_turn(message)
+    if len(episode.traj.tokens) + len(injected) >= limits.max_context_tokens:
+        _terminate(episode, StopReason.MAX_TOKENS)
+        return
+    _append(episode.traj, injected)
+    episode.traj.messages.append(message)
+    episode.state = FSMState.GENERATING
+
+
+def _append(traj: Trajectory, tokens: list[int], logprobs: list[float] | None = None) -> None:
+    """Append tokens: sampled (mask 1) when ``logprobs`` are given, injected (mask 0) otherwise."""
+    traj.tokens.extend(tokens)
+    traj.loss_mask.extend([1 if logprobs is not None else 0] * len(tokens))
+    traj.logprobs.extend(logprobs if logprobs is not None else [0.0] * len(tokens))
+
+
+def _room(traj: Trajectory, limits: LoopLimits) -> int:
+    return limits.max_context_tokens - len(traj.tokens)
+
+
+def _terminate(episode: _Episode, reason: StopReason) -> None:
+    episode.state = FSMState.TERMINATED
+    episode.traj.stop_reason = reason
+    episode.traj.info = {
+        **episode.env_info,
+        "num_turns": episode.turns,
+        "truncated": episode.truncated,
+    }
+
+
+def _fail(episode: _Episode, exc: Exception) -> None:
+    _terminate(episode, StopReason.ERROR)
+    episode.traj.info["error"] = repr(exc)

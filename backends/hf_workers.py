@@ -1,0 +1,272 @@
+"""The torch/transformers/peft workers that hold model weights: a sampler and a trainer.
+
+They are plain classes; ``backends.actors`` runs them as long-lived Ray actors (or in-process
+for benchmarks). Their public methods are the Tinker-style verbs: ``sample``,
+``forward_backward``, ``optim_step``, ``save_state`` / ``load_state``, ``get_weights`` /
+``set_weights`` (weight sync).
+"""
+
+from __future__ import annotations
+
+import io
+import tempfile
+from typing import Any
+
+import torch
+from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from agent_loop.types import SampleResult
+from backends.algorithms import get_policy_loss, token_logprobs
+from backends.models import load_causal_lm, load_tokenizer, resolve_model_uri
+from backends.types import Datum, WorkerSpec
+from infra.storage import Storage, commit_checkpoint, latest_checkpoint, load_checkpoint
+
+
+def _device(spec: WorkerSpec) -> torch.device:
+    if spec.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec.device)
+
+
+def load_policy_model(spec: WorkerSpec) -> tuple[torch.nn.Module, Any, str]:
+    """Load the model (with a LoRA adapter when enabled), its tokenizer and its local path."""
+    torch.set_num_threads(spec.torch_threads)
+    path = resolve_model_uri(spec.model_uri, spec.cache_dir)
+    model = load_causal_lm(path)
+    if spec.lora.enabled:
+        # Same seed in sampler and trainer: both start from identical adapter weights.
+        torch.manual_seed(spec.seed)
+        model = get_peft_model(model, _lora_config(spec))
+    return model.to(_device(spec)), load_tokenizer(path), path
+
+
+def _lora_config(spec: WorkerSpec) -> LoraConfig:
+    return LoraConfig(
+        r=spec.lora.r,
+        lora_alpha=spec.lora.alpha,
+        lora_dropout=spec.lora.dropout,
+        target_modules=list(spec.lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+
+
+def _trainable_state(model: torch.nn.Module, lora: bool) -> dict[str, torch.Tensor]:
+    """Detached CPU copies (tied weights become separate tensors, as safetensors requires)."""
+    state = get_peft_model_state_dict(model) if lora else model.state_dict()
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+def _load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor], lora: bool):
+    if lora:
+        set_peft_model_state_dict(model, state)
+    else:
+        model.load_state_dict(state, strict=False)
+
+
+class HFSampler:
+    """Batched sampling with HF ``generate``, returning token ids and log-probs."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.model, self.tokenizer, self.model_path = load_policy_model(spec)
+        self.model.eval()
+        self.device = _device(spec)
+        self.stop_token_ids = [self.tokenizer.eos_token_id]
+        self.weights_version = 0
+
+    @torch.no_grad()
+    def sample(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        seed: int | None = None,
+    ) -> list[SampleResult]:
+        """Sample one completion per prompt (temperature 0 = greedy). Prompts: B lists of ids."""
+        if not prompts:
+            return []
+        if seed is not None:
+            torch.manual_seed(seed)
+        pad = self.tokenizer.pad_token_id
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+        attention = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):  # left padding
+            ids[i, width - len(p) :] = torch.tensor(p)
+            attention[i, width - len(p) :] = 1
+        greedy = temperature <= 0
+        out = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=attention.to(self.device),
+            max_new_tokens=max_new_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else temperature,
+            top_k=None,
+            top_p=None,
+            eos_token_id=self.stop_token_ids,
+            pad_token_id=pad,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        new_B_T = out.sequences[:, width:].cpu()
+        logits_B_T_V = torch.stack(out.logits, dim=1).float().cpu()
+        scale = 1.0 if greedy else temperature
+        logprobs_B_T = token_logprobs(logits_B_T_V / scale, new_B_T)
+        return [self._cut(new_B_T[i], logprobs_B_T[i]) for i in range(len(prompts))]
+
+    def _cut(self, tokens_T: torch.Tensor, logprobs_T: torch.Tensor) -> SampleResult:
+        tokens = tokens_T.tolist()
+        for t, tok in enumerate(tokens):
+            if tok in self.stop_token_ids:
+                return SampleResult(tokens[: t + 1], logprobs_T[: t + 1].tolist(), "stop")
+        return SampleResult(tokens, logprobs_T.tolist(), "length")
+
+    def set_weights(self, weights: tuple[dict[str, torch.Tensor], int]) -> int:
+        """Weight sync: load ``TorchTrainer.get_weights()`` (adapter only for LoRA)."""
+        state, version = weights
+        state = {k: v.to(self.device) for k, v in state.items()}
+        _load_trainable_state(self.model, state, self.spec.lora.enabled)
+        self.weights_version = version
+        return version
+
+    def get_weights_version(self) -> int:
+        return self.weights_version
+
+
+class TorchTrainer:
+    """AdamW on all weights or on a LoRA adapter; losses chosen by name."""
+
+    def __init__(self, spec: WorkerSpec):
+        self.spec = spec
+        self.model, self.tokenizer, self.model_path = load_policy_model(spec)
+        self.model.train()
+        self.device = _device(spec)
+        self.optimizer = self._new_optimizer()
+        self.version = 0
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(
+            params, lr=self.spec.learning_rate, weight_decay=self.spec.weight_decay
+        )
+
+    def _batch(self, data: list[Datum]) -> dict[str, torch.Tensor]:
+        """Right-pad a list of Datum into B x T tensors (shifted so position t predicts t+1)."""
+        width = max(len(d.tokens) for d in data)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((len(data), width), pad, dtype=torch.long)
+        attention = torch.zeros_like(ids)
+        mask = torch.zeros((len(data), width), dtype=torch.float32)
+        old = torch.zeros((len(data), width), dtype=torch.float32)
+        for i, d in enumerate(data):
+            n = len(d.tokens)
+            ids[i, :n] = torch.tensor(d.tokens)
+            attention[i, :n] = 1
+            mask[i, :n] = torch.tensor(d.loss_mask, dtype=torch.float32)
+            if d.old_logprobs:
+                old[i, :n] = torch.tensor(d.old_logprobs, dtype=torch.float32)
+        advantages = torch.tensor([d.advantage for d in data], dtype=torch.float32)
+        batch = {
+            "ids": ids,
+            "attention": attention,
+            "mask": mask[:, 1:],
+            "old": old[:, 1:],
+            "advantages": advantages,
+        }
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    def _logprobs(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
+        logits = self.model(input_ids=b["ids"], attention_mask=b["attention"]).logits
+        return token_logprobs(logits[:, :-1].float(), b["ids"][:, 1:])
+
+    def forward_backward(
+        self, data: list[Datum], loss_fn: str, loss_config: dict[str, Any] | None = None
+    ) -> dict[str, float]:
+        """Accumulate gradients of ``loss_fn`` over ``data``.
+
+        ``"cross_entropy"`` is SFT (mean NLL over mask-1 tokens); any other name is a policy
+        loss from ``backends.algorithms.POLICY_LOSSES``.
+        """
+        b = self._batch(data)
+        logprobs_B_T = self._logprobs(b)
+        if loss_fn == "cross_entropy":
+            loss = -(logprobs_B_T * b["mask"]).sum() / b["mask"].sum().clamp(min=1)
+            metrics: dict[str, float] = {}
+        else:
+            policy_loss = get_policy_loss(loss_fn)
+            loss, metrics = policy_loss(
+                logprobs_B_T, b["old"], b["advantages"], b["mask"], **(loss_config or {})
+            )
+        loss.backward()
+        return {"loss": float(loss.detach()), **metrics}
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip gradients, take one AdamW step, bump the weights version."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.spec.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return {"grad_norm": float(grad_norm), "weights_version": self.version}
+
+    @torch.no_grad()
+    def compute_logprobs(self, data: list[Datum]) -> list[list[float]]:
+        """Log-probability of every token given its prefix (first token: 0.0)."""
+        b = self._batch(data)
+        logprobs_B_T = self._logprobs(b)
+        return [[0.0] + logprobs_B_T[i, : len(d.tokens) - 1].tolist() for i, d in enumerate(data)]
+
+    def get_weights(self) -> tuple[dict[str, torch.Tensor], int]:
+        """The trainable weights (adapter only for LoRA) and their version, for weight sync."""
+        return _trainable_state(self.model, self.spec.lora.enabled), self.version
+
+    def save_state(self, storage_url: str, prefix: str, step: int, meta: dict[str, Any]) -> str:
+        """Commit a resumable checkpoint: trainable weights, optimiser, RNG, step, ``meta``."""
+        optim, rng = io.BytesIO(), io.BytesIO()
+        torch.save(self.optimizer.state_dict(), optim)
+        torch.save({"torch": torch.get_rng_state()}, rng)
+        files = {
+            "weights.safetensors": save_safetensors(
+                _trainable_state(self.model, self.spec.lora.enabled)
+            ),
+            "optimizer.pt": optim.getvalue(),
+            "rng.pt": rng.getvalue(),
+        }
+        meta = {**meta, "weights_version": self.version, "lora": self.spec.lora.enabled}
+        return commit_checkpoint(Storage(storage_url), prefix, step, files, meta)
+
+    def load_state(self, storage_url: str, prefix: str) -> dict[str, Any] | None:
+        """Load the latest complete checkpoint under ``prefix``; its meta, or None if none."""
+        storage = Storage(storage_url)
+        step = latest_checkpoint(storage, prefix)
+        if step is None:
+            return None
+        files, meta = load_checkpoint(storage, prefix, step)
+        state = load_safetensors(files["weights.safetensors"])
+        _load_trainable_state(self.model, state, self.spec.lora.enabled)
+        self.optimizer.load_state_dict(
+            torch.load(io.BytesIO(files["optimizer.pt"]), weights_only=True)
+        )
+        torch.set_rng_state(torch.load(io.BytesIO(files["rng.pt"]), weights_only=True)["torch"])
+        self.version = int(meta.get("weights_version", step))
+        return {**meta, "step": step}
+
+    def export_pretrained(self, storage_url: str, rel: str) -> str:
+        """Write the policy as a plain HF folder (LoRA merged) under ``rel``; return its URI."""
+        storage = Storage(storage_url)
+        model = self.model
+        if self.spec.lora.enabled:
+            model = self._merged_copy()
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+            storage.put_dir(tmp, rel)
+        return storage.uri(rel)
+
+    def _merged_copy(self) -> torch.nn.Module:
+        """A plain model with the adapter merged in; the live adapter is left untouched."""
+        copy = get_peft_model(load_causal_lm(self.model_path), _lora_config(self.spec))
+        set_peft_model_state_dict(copy, get_peft_model_state_dict(self.model))
+        return copy.merge_and_unload()

@@ -1,0 +1,329 @@
+"""Models offline: a locally trained character tokenizer, tiny random Llama models, model URIs.
+
+Nothing here touches a model hub. A model is a plain Hugging Face folder (``config.json``,
+``model.safetensors``, ``tokenizer.json`` ...) that lives on local disk, on any fsspec URL
+(``s3://`` ...) or in the MLflow model registry (``models:/name@alias``); ``resolve_model_uri``
+turns each of those into a local folder that ``load_tokenizer`` / ``load_causal_lm`` read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+
+PAD_TOKEN = "<pad>"
+UNK_TOKEN = "<unk>"
+EOS_TOKEN = "<|end|>"
+ROLES = ("system", "user", "assistant", "tool")
+ROLE_TOKENS = tuple(f"<|{role}|>" for role in ROLES)
+SPECIAL_TOKENS = (PAD_TOKEN, UNK_TOKEN, *ROLE_TOKENS, EOS_TOKEN)
+"""In id order: ``<pad>`` is 0, ``<unk>`` 1, the role tokens 2-5, ``<|end|>`` 6."""
+
+CHARSET = "".join(chr(c) for c in range(32, 127)) + "\n\t"
+"""Printable ASCII plus newline and tab: the characters the tokenizer knows (others: <unk>)."""
+
+# Role tokens are written as literals (not '<|' + role + '|>') so that transformers'
+# ``sanitize_control_tokens`` can tell the template's control tokens from message text.
+# Every message renders alone ("<|role|>content<|end|>"): no BOS, no default system prompt, so
+# rendering [m1..mk] equals concatenating the renders of m1..mk.
+_ROLE_BLOCK = (
+    "{%- if message.role == 'system' -%}<|system|>"
+    "{%- elif message.role == 'user' -%}<|user|>"
+    "{%- elif message.role == 'assistant' -%}<|assistant|>"
+    "{%- elif message.role == 'tool' -%}<|tool|>"
+    "{%- else -%}{{ raise_exception('unknown chat role: ' ~ message.role) }}"
+    "{%- endif -%}"
+)
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    + _ROLE_BLOCK
+    + "{%- if message.content is defined -%}{{ message.content }}{%- endif -%}"
+    "{%- for call in message.tool_calls | default([]) -%}"
+    "<tool_call>{{ (call.function if call.function is defined else call) | tojson }}</tool_call>"
+    "{%- endfor -%}"
+    "<|end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|assistant|>{%- endif -%}"
+)
+"""Jinja chat template: ``<|role|>content<|end|>`` per message, generation prompt ``<|assistant|>``.
+
+Assistant tool calls (OpenAI shape ``{"type": "function", "function": {...}}``) are rendered after
+the content as ``<tool_call>{json of the function}</tool_call>``."""
+
+
+class TinyModelSpec(BaseModel):
+    """Shape of a tiny random-weight causal LM built offline for tests and CPU experiments."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    architecture: Literal["llama"] = Field(
+        "llama", description="Model family; Llama keeps the tokenizer round-trip exact."
+    )
+    hidden_size: int = Field(128, ge=8, le=8192, description="Width of the residual stream.")
+    num_layers: int = Field(2, ge=1, le=64, description="Number of transformer blocks.")
+    num_heads: int = Field(
+        4, ge=1, le=128, description="Attention heads (must divide hidden_size); no GQA."
+    )
+    intermediate_size: int = Field(256, ge=8, le=32768, description="Width of the MLP.")
+    max_position_embeddings: int = Field(
+        256, ge=16, le=131072, description="Longest sequence (prompt + completion) in tokens."
+    )
+    seed: int = Field(0, ge=0, description="Seed of the random weights: same spec, same weights.")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> TinyModelSpec:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_heads ({self.num_heads})"
+            )
+        return self
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """Train a character-level WordLevel tokenizer on ``CHARSET`` and wrap it for transformers.
+
+    One token per character, so ``decode(encode(text)) == text`` for any text over ``CHARSET``
+    (spaces included). Ids are deterministic: specials first (see ``SPECIAL_TOKENS``), then the
+    characters in code-point order.
+    """
+    backend = Tokenizer(models.WordLevel(unk_token=UNK_TOKEN))
+    # Split every character (newlines included) into its own pre-token; Fuse joins them back
+    # with no separator on decode, which is what makes spaces round-trip.
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    trainer = trainers.WordLevelTrainer(
+        vocab_size=len(SPECIAL_TOKENS) + len(CHARSET),
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        show_progress=False,
+    )
+    backend.train_from_iterator([CHARSET], trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=EOS_TOKEN,
+        pad_token=PAD_TOKEN,
+        unk_token=UNK_TOKEN,
+        extra_special_tokens=list(ROLE_TOKENS),
+        padding_side="left",  # must go to the constructor, or save_pretrained forgets it
+        clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_model(spec: TinyModelSpec, out_dir: str) -> str:
+    """Build a random-weight ``LlamaForCausalLM`` plus ``build_tokenizer()`` and save both.
+
+    Deterministic: the weights depend only on ``spec`` (the global torch RNG is left untouched).
+    Writes a standard HF folder (safetensors) to ``out_dir`` and returns ``out_dir``.
+    """
+    tokenizer = build_tokenizer()
+    tokenizer.model_max_length = spec.max_position_embeddings
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_heads,
+        intermediate_size=spec.intermediate_size,
+        max_position_embeddings=spec.max_position_embeddings,
+        # No BOS exists in the chat format; generate() only needs one for an empty prompt.
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
+    """Load a tokenizer from a local HF folder (never ``AutoTokenizer``: see STACK_NOTES)."""
+    return PreTrainedTokenizerFast.from_pretrained(path)
+
+
+def load_causal_lm(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """Load a causal LM from a local HF folder, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+
+
+# --- model URIs -------------------------------------------------------------------------------
+
+_MLFLOW_SCHEMES = ("models:/", "runs:/")
+_COMPLETE_MARKER = ".flowrl-complete"
+
+
+def resolve_model_uri(uri: str, cache_dir: str) -> str:
+    """Return a local HF model folder (the one holding ``config.json``) for ``uri``.
+
+    - a local path or ``file://`` URL: used in place;
+    - ``models:/name@alias``, ``models:/name/version``, ``runs:/...``: downloaded from MLflow
+      into ``cache_dir`` (an alias is resolved to its version first, so a moved alias is seen);
+    - any other fsspec URL (``s3://`` ...): copied into ``cache_dir`` once, keyed by a hash of
+      the URI (a copy is reused only when it completed).
+
+    The folder may be the URI itself or nested one level below it. Raises
+    ``FileNotFoundError`` (nothing there) or ``ValueError`` (unknown scheme) naming the URI.
+    """
+    if uri.startswith(_MLFLOW_SCHEMES):
+        return _find_model_folder(_download_mlflow(uri, Path(cache_dir)), uri)
+    if uri.startswith("file://") or "://" not in uri:
+        local = Path(uri.removeprefix("file://")).expanduser()
+        if not local.is_dir():
+            raise FileNotFoundError(f"no model folder at {uri!r} ({local} is not a directory)")
+        return _find_model_folder(local, uri)
+    return _find_model_folder(_download_fsspec(uri, Path(cache_dir)), uri)
+
+
+def _cache_slot(cache_dir: Path, key: str) -> Path:
+    return cache_dir / hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def _fill_once(slot: Path, fill: Any) -> Path:
+    """Run ``fill(tmp_dir)`` and move the result to ``slot``, unless a complete copy is there."""
+    if (slot / _COMPLETE_MARKER).exists():
+        return slot
+    slot.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=slot.parent, prefix=f".{slot.name}-"))
+    try:
+        fill(tmp)
+        (tmp / _COMPLETE_MARKER).touch()
+        shutil.rmtree(slot, ignore_errors=True)
+        tmp.rename(slot)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return slot
+
+
+def _download_fsspec(uri: str, cache_dir: Path) -> Path:
+    import fsspec
+
+    try:
+        fs, root = fsspec.core.url_to_fs(uri)
+    except (ValueError, ImportError) as err:
+        raise ValueError(f"cannot open model URI {uri!r}: {err}") from err
+    if not fs.isdir(root):
+        raise FileNotFoundError(f"no model folder at {uri!r}")
+    root = root.rstrip("/")
+
+    def fill(tmp: Path) -> None:
+        # find() + get_file() per file avoids fsspec's trailing-slash rules for recursive get.
+        for remote in fs.find(root):
+            relative = remote[len(root) :].lstrip("/")
+            target = tmp / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fs.get_file(remote, str(target))
+
+    return _fill_once(_cache_slot(cache_dir, uri), fill)
+
+
+def _download_mlflow(uri: str, cache_dir: Path) -> Path:
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    pinned = _pin_registry_version(uri)
+    key = f"{mlflow.get_registry_uri()}|{pinned or uri}"
+
+    def fill(tmp: Path) -> None:
+        try:
+            mlflow.artifacts.download_artifacts(artifact_uri=pinned or uri, dst_path=str(tmp))
+        except MlflowException as err:
+            raise FileNotFoundError(f"cannot download model {uri!r} from MLflow: {err}") from err
+
+    slot = _cache_slot(cache_dir, key)
+    if pinned is None:  # e.g. models:/name/latest or runs:/ : may change, always fetch again
+        shutil.rmtree(slot, ignore_errors=True)
+    return _fill_once(slot, fill)
+
+
+def _pin_registry_version(uri: str) -> str | None:
+    """``models:/name@alias`` -> ``models:/name/<version>``; a numbered version stays; else None."""
+    if not uri.startswith("models:/"):
+        return None
+    ref = uri.removeprefix("models:/").strip("/")
+    if "@" in ref:
+        from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
+
+        name, alias = ref.rsplit("@", 1)
+        try:
+            version = MlflowClient().get_model_version_by_alias(name, alias).version
+        except MlflowException as err:
+            raise FileNotFoundError(f"no registered model version for {uri!r}: {err}") from err
+        return f"models:/{name}/{version}"
+    name, _, version = ref.rpartition("/")
+    return uri if name and version.isdigit() else None
+
+
+def _find_model_folder(root: Path, uri: str) -> str:
+    if (root / "config.json").is_file():
+        return str(root)
+    nested = sorted(p.parent for p in root.glob("*/config.json"))
+    if len(nested) == 1:
+        return str(nested[0])
+    if nested:
+        names = [p.name for p in nested]
+        raise ValueError(f"model URI {uri!r} holds several model folders: {names}")
+    raise FileNotFoundError(f"no config.json at {uri!r} or one level below it")
+
+
+# --- chat format ------------------------------------------------------------------------------
+
+
+class HFChatFormat:
+    """``ChatFormat`` over a tokenizer whose chat template is concatenative (see ``CHAT_TEMPLATE``).
+
+    ``encode_prompt(msgs) + sampled + encode_turn(m) + ...`` equals the token ids of rendering the
+    whole conversation at once, provided the sampled turn ends with the stop token.
+    With ``sanitize_control_tokens=True`` control tokens inside message text (e.g. an environment
+    printing ``<|end|>``) are encoded as plain characters; pass the same flag to
+    ``apply_chat_template`` wherever a whole conversation is encoded.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, sanitize_control_tokens: bool = False):
+        if tokenizer.eos_token_id is None:
+            raise ValueError("the tokenizer has no eos token to stop generation on")
+        self.tokenizer = tokenizer
+        self.stop_token_ids: list[int] = [int(tokenizer.eos_token_id)]
+        # Only pass the flag when set: older transformers releases do not know it.
+        self._template_kwargs = {"sanitize_control_tokens": True} if sanitize_control_tokens else {}
+
+    def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+        """Opening messages plus the generation prompt, as token ids."""
+        return self._encode(messages)
+
+    def encode_turn(self, message: dict[str, str]) -> list[int]:
+        """One more (user or tool) message plus the generation prompt, as token ids."""
+        return self._encode([message])
+
+    def decode(self, tokens: list[int]) -> str:
+        """Text of ``tokens`` without special tokens (the stop token is dropped)."""
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _encode(self, messages: list[dict[str, str]]) -> list[int]:
+        encoded = self.tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+            **self._template_kwargs,
+        )
+        # transformers 5 returns a BatchEncoding by default; be robust to either shape.
+        if isinstance(encoded, Mapping):
+            encoded = encoded["input_ids"]
+        return [int(t) for t in encoded]

@@ -1,0 +1,57 @@
+"""Data contracts of the model backends (the Tinker-style verbs' inputs and outputs)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+@dataclass
+class Datum:
+    """One training sequence for ``forward_backward``.
+
+    ``tokens``, ``loss_mask`` and ``old_logprobs`` have the sequence length T; ``loss_mask``
+    selects the tokens that carry loss. ``advantage`` (one per sequence: outcome rewards) and
+    ``old_logprobs`` (the sampler's, 0.0 where the mask is 0) are only read by policy losses.
+    """
+
+    tokens: list[int]
+    loss_mask: list[int]
+    advantage: float = 0.0
+    old_logprobs: list[float] = field(default_factory=list)
+
+
+class LoraSettings(BaseModel):
+    """LoRA adapter settings (peft). Disabled means full-parameter training."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(default=False, description="Train a LoRA adapter instead of all weights.")
+    r: int = Field(default=16, ge=1, le=1024, description="LoRA rank.")
+    alpha: int = Field(default=32, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA path.")
+    target_modules: list[str] = Field(
+        default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        min_length=1,
+        description="Module names that get adapters.",
+    )
+
+
+class WorkerSpec(BaseModel):
+    """How a sampler or trainer worker is built (everything an actor needs, as small data)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model_uri: str = Field(description="HF model folder: local path, fsspec URL or models:/ URI.")
+    cache_dir: str = Field(description="Local folder where remote models are copied.")
+    lora: LoraSettings = Field(default_factory=LoraSettings)
+    learning_rate: float = Field(default=3e-4, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(default=0.0, ge=0, description="AdamW weight decay.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    seed: int = Field(default=0, description="Seed for weights that are initialised (LoRA).")
+    torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per worker.")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        default="auto", description="Device for the weights; auto = cuda when visible."
+    )

@@ -1,0 +1,28 @@
+"""Environments by name: each name maps to the task config that builds its envs and data."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+from environments.arithmetic import ArithmeticTask
+
+ENVIRONMENTS: dict[str, type[BaseModel]] = {
+    "arithmetic": ArithmeticTask,
+}
+"""Name → task-config class; a task config offers ``make_env``, ``train_source``, ``eval_set``."""
+
+
+def make_task(name: str, params: dict[str, Any] | None = None) -> BaseModel:
+    """Validate ``params`` into the task config registered as ``name``.
+
+    Raises ``ValueError`` listing the known names for an unknown ``name``, and pydantic's
+    ``ValidationError`` (naming the field) for bad ``params``.
+    """
+    try:
+        task_cls = ENVIRONMENTS[name]
+    except KeyError:
+        known = ", ".join(sorted(ENVIRONMENTS))
+        raise ValueError(f"unknown environment {name!r}; known environments: {known}") from None
+    return task_cls.model_validate(params or {})

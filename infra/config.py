@@ -1,0 +1,198 @@
+"""The RL job config: one frozen pydantic model, validated at the edge.
+
+A bad value fails at once with the field's dotted name, before any job starts. The same model
+is the parameter of the ``rl-train`` flow, so the Prefect UI shows it as a form.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from backends.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from backends.models import TinyModelSpec
+from backends.types import LoraSettings
+from environments.registry import ENVIRONMENTS, make_task
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class EnvSection(_Section):
+    name: str = Field(default="arithmetic", description="Environment name (environments.registry).")
+    params: dict[str, Any] = Field(
+        default_factory=dict, description="Parameters of the environment's task config."
+    )
+
+    @model_validator(mode="after")
+    def _check_params(self) -> EnvSection:
+        if self.name not in ENVIRONMENTS:
+            raise ValueError(f"unknown environment {self.name!r}; known: {sorted(ENVIRONMENTS)}")
+        make_task(self.name, self.params)  # raises with the bad parameter named
+        return self
+
+    def task(self) -> Any:
+        return make_task(self.name, self.params)
+
+
+class ModelSection(_Section):
+    source: str = Field(
+        default="tiny",
+        description="'tiny' (build a tiny Llama offline from `tiny`) or a model URI: local HF "
+        "folder, s3://… folder, or models:/name@alias.",
+    )
+    tiny: TinyModelSpec = Field(default_factory=TinyModelSpec, description="Tiny model shape.")
+    lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA or full RL.")
+
+
+class WarmupSection(_Section):
+    enabled: bool = Field(default=True, description="Run SFT warm-up before RL (cached).")
+    target_accuracy: float = Field(
+        default=0.3, gt=0, le=1, description="Stop warm-up once held-out accuracy reaches this."
+    )
+    max_steps: int = Field(default=1500, ge=1, description="Upper bound on warm-up SFT steps.")
+    batch_size: int = Field(default=32, ge=1, description="SFT examples per step.")
+    learning_rate: float = Field(default=3e-3, gt=0, le=1, description="SFT AdamW learning rate.")
+    eval_every: int = Field(default=25, ge=1, description="Warm-up steps between accuracy checks.")
+
+
+class AlgorithmSection(_Section):
+    advantage: str = Field(default="grpo", description="Advantage estimator name.")
+    loss: str = Field(default="ppo_clip", description="Policy loss name.")
+    clip_eps: float = Field(default=0.2, gt=0, lt=1, description="PPO clip range.")
+    learning_rate: float = Field(default=3e-4, gt=0, le=1, description="RL AdamW learning rate.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+
+    @field_validator("advantage")
+    @classmethod
+    def _known_advantage(cls, v: str) -> str:
+        if v not in ADVANTAGE_ESTIMATORS:
+            raise ValueError(
+                f"unknown advantage estimator {v!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}"
+            )
+        return v
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        if v not in POLICY_LOSSES:
+            raise ValueError(f"unknown policy loss {v!r}; known: {sorted(POLICY_LOSSES)}")
+        return v
+
+
+class RolloutSection(_Section):
+    prompts_per_step: int = Field(default=32, ge=1, description="Data rows per RL step.")
+    group_size: int = Field(default=8, ge=1, description="Samples per row (GRPO group).")
+    temperature: float = Field(default=1.0, gt=0, le=10, description="Sampling temperature.")
+    max_new_tokens: int = Field(default=8, ge=1, description="Token budget of one policy turn.")
+    max_turns: int = Field(default=1, ge=1, description="Policy turns per episode.")
+    max_context_tokens: int = Field(default=256, ge=8, description="Token budget of an episode.")
+
+
+class ScheduleSection(_Section):
+    steps: int = Field(default=300, ge=1, description="RL steps.")
+    eval_every: int = Field(default=25, ge=1, description="Steps between held-out evaluations.")
+    checkpoint_every: int = Field(default=50, ge=1, description="Steps between checkpoints.")
+    keep_checkpoints: int = Field(default=2, ge=1, description="Complete checkpoints kept.")
+
+
+class ResourcesSection(_Section):
+    sampler_backend: Literal["hf"] = Field(default="hf", description="Sampler backend.")
+    trainer_backend: Literal["torch"] = Field(default="torch", description="Trainer backend.")
+    gpus_per_worker: float = Field(
+        default=0, ge=0, description="GPUs each of the sampler and trainer actors asks Ray for."
+    )
+    torch_threads: int = Field(default=1, ge=1, le=256, description="torch threads per worker.")
+
+
+class RLJobConfig(_Section):
+    """An RL training job: environment + model + algorithm + resources → a registered policy."""
+
+    name: str = Field(
+        default="arithmetic-demo",
+        pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
+        description="Job name: storage prefix, MLflow run name; resubmitting it resumes.",
+    )
+    seed: int = Field(default=0, description="Seed of sampling, data order and initialisation.")
+    env: EnvSection = Field(default_factory=EnvSection, description="Environment.")
+    model: ModelSection = Field(default_factory=ModelSection, description="Policy model.")
+    warmup: WarmupSection = Field(default_factory=WarmupSection, description="SFT warm-up.")
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection, description="RL math.")
+    rollout: RolloutSection = Field(default_factory=RolloutSection, description="Sampling.")
+    schedule: ScheduleSection = Field(default_factory=ScheduleSection, description="Loop.")
+    resources: ResourcesSection = Field(default_factory=ResourcesSection, description="Workers.")
+    experiment: str = Field(default="flowrl", min_length=1, description="MLflow experiment.")
+    register_as: str | None = Field(
+        default=None, description="Registered model name in MLflow; unset = the job name."
+    )
+
+    @property
+    def registered_model_name(self) -> str:
+        return self.register_as or self.name
+
+
+class ConfigError(ValueError):
+    """A job config that cannot run; the message names every bad field."""
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(config)"
+        lines.append(f"  {where}: {e['msg']}")
+    return "invalid job config:\n" + "\n".join(lines)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: {key!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``["a.b=3", "c=x"]`` → nested dict; values are parsed as YAML scalars/lists."""
+    data: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {pair!r}: expected key=value")
+        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+    return data
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RLJobConfig:
+    """Read a YAML job config (or the embedded defaults when ``path`` is None), apply overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: expected a mapping at the top level")
+        data = loaded
+    data = _merge(data, parse_overrides(overrides or []))
+    return validate_config(data)
+
+
+def validate_config(data: dict[str, Any]) -> RLJobConfig:
+    try:
+        return RLJobConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None

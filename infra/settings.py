@@ -1,0 +1,86 @@
+"""Where flowrl finds its engines: one place, overridable by environment variables.
+
+Every engine has an embedded default for a single machine (Prefect's ephemeral API, a local
+Ray, MLflow on a SQLite file, storage in a local folder) and is swapped for the production
+engine by configuration alone, e.g. ``FLOWRL_STORAGE_URL=s3://bucket/flowrl``.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    """Engine locations. Each field reads ``FLOWRL_<FIELD>`` from the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="FLOWRL_", frozen=True, extra="ignore")
+
+    home: Path = Field(
+        default=Path(".flowrl"),
+        description="Local folder for the embedded defaults (MLflow DB, storage, caches).",
+    )
+    prefect_api_url: str | None = Field(
+        default=None,
+        description="Prefect API URL (e.g. http://127.0.0.1:4200/api); unset = ephemeral API.",
+    )
+    ray_address: str | None = Field(
+        default=None,
+        description="Ray cluster address host:port (or ray://host:10001); unset = local Ray.",
+    )
+    ray_num_cpus: int = Field(
+        default=8,
+        ge=1,
+        description="Logical CPUs of a local Ray (actors and stage tasks share them).",
+    )
+    ray_num_gpus: int | None = Field(
+        default=None,
+        ge=0,
+        description="GPUs of a local Ray; unset = detected (set it on CPU to simulate a pool).",
+    )
+    mlflow_tracking_uri: str | None = Field(
+        default=None,
+        description="MLflow tracking URI; unset = sqlite:///<home>/mlflow.db.",
+    )
+    storage_url: str | None = Field(
+        default=None,
+        description="Root URL for checkpoints, caches and results (any fsspec URL, "
+        "e.g. s3://bucket/x); unset = <home>/storage.",
+    )
+
+    @cached_property
+    def resolved_home(self) -> Path:
+        return self.home.expanduser().resolve()
+
+    @property
+    def tracking_uri(self) -> str:
+        if self.mlflow_tracking_uri:
+            return self.mlflow_tracking_uri
+        return f"sqlite:///{self.resolved_home / 'mlflow.db'}"
+
+    @property
+    def storage_root(self) -> str:
+        return self.storage_url or str(self.resolved_home / "storage")
+
+    @property
+    def model_cache_dir(self) -> str:
+        return str(self.resolved_home / "model-cache")
+
+    def apply_to_environment(self) -> None:
+        """Export what the engines read themselves (Prefect API, MLflow) for child processes."""
+        self.resolved_home.mkdir(parents=True, exist_ok=True)
+        if self.prefect_api_url:
+            os.environ["PREFECT_API_URL"] = self.prefect_api_url
+        os.environ["MLFLOW_TRACKING_URI"] = self.tracking_uri
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def get_settings() -> Settings:
+    """Read the settings afresh from the environment (cheap; no caching across tests)."""
+    return Settings()

@@ -1,0 +1,104 @@
+"""Helpers shared by the stage tasks: chat formats, seeded samplers, episode batches."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import lru_cache
+from typing import Any
+
+from agent_loop.loop import LoopLimits, run_episodes
+from agent_loop.types import SampleResult, Trajectory
+from backends.actors import PolicyRef, sampler
+from backends.models import HFChatFormat, load_tokenizer, resolve_model_uri
+from tasks.types import EvalResult
+
+
+@lru_cache(maxsize=8)
+def chat_format(model_uri: str, cache_dir: str) -> HFChatFormat:
+    """The policy's chat format (tokenizer only: tasks never load weights)."""
+    return HFChatFormat(load_tokenizer(resolve_model_uri(model_uri, cache_dir)))
+
+
+def stable_hash(*parts: Any, length: int = 12) -> str:
+    """A short content hash of JSON-serialisable parts (cache keys, seeds)."""
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:length]
+
+
+def derived_seed(*parts: Any) -> int:
+    return int(stable_hash(*parts, length=8), 16)
+
+
+class SeededSampler:
+    """Adapts a sampler worker to the agent loop's ``Sampler``; call k uses seed (base, k).
+
+    A rollout is thereby a pure function of (weights, step): a retried step re-samples the
+    same tokens.
+    """
+
+    def __init__(self, policy: PolicyRef, base_seed: int):
+        self._worker = sampler(policy)
+        self._base_seed = base_seed
+        self._calls = 0
+
+    def sample(
+        self, prompts: list[list[int]], max_new_tokens: int, temperature: float
+    ) -> list[SampleResult]:
+        seed = derived_seed(self._base_seed, self._calls)
+        self._calls += 1
+        return self._worker.sample(prompts, max_new_tokens, temperature, seed)
+
+
+def run_group_episodes(
+    task_cfg: Any,
+    rows: list[dict[str, Any]],
+    group_size: int,
+    policy: PolicyRef,
+    chat: HFChatFormat,
+    limits: LoopLimits,
+    seed: int,
+    id_prefix: str,
+) -> list[Trajectory]:
+    """Run ``group_size`` episodes per row (one group per row), batched through the sampler."""
+    episode_rows = [row for row in rows for _ in range(group_size)]
+    group_ids = [g for g in range(len(rows)) for _ in range(group_size)]
+    envs = [task_cfg.make_env() for _ in episode_rows]
+    ids = [f"{id_prefix}-{g}-{k % group_size}" for k, g in enumerate(group_ids)]
+    return run_episodes(
+        envs, episode_rows, group_ids, SeededSampler(policy, seed), chat, limits, episode_ids=ids
+    )
+
+
+def episode_accuracy(trajectories: list[Trajectory]) -> float:
+    """Fraction of episodes judged correct (``info["correct"]``, else a positive return)."""
+    if not trajectories:
+        return 0.0
+    ok = [bool(t.info.get("correct", t.reward > 0)) for t in trajectories]
+    return sum(ok) / len(ok)
+
+
+def evaluate_policy(
+    task_cfg: Any, policy: PolicyRef, chat: HFChatFormat, limits: LoopLimits
+) -> EvalResult:
+    """Greedy episodes over the environment's fixed held-out set."""
+    import time
+
+    start = time.perf_counter()
+    greedy = LoopLimits(
+        max_turns=limits.max_turns,
+        max_new_tokens=limits.max_new_tokens,
+        max_context_tokens=limits.max_context_tokens,
+        temperature=0.0,
+    )
+    trajectories = run_group_episodes(
+        task_cfg, task_cfg.eval_set(), 1, policy, chat, greedy, seed=0, id_prefix="eval"
+    )
+    ok = [t for t in trajectories if not t.failed]
+    return EvalResult(
+        accuracy=episode_accuracy(ok) * len(ok) / max(len(trajectories), 1),
+        reward_mean=sum(t.reward for t in ok) / max(len(ok), 1),
+        num_episodes=len(trajectories),
+        num_failed=len(trajectories) - len(ok),
+        seconds=time.perf_counter() - start,
+    )

@@ -1,0 +1,109 @@
+"""Model stages: prepare the base model, SFT warm-up (cached in storage), register the policy."""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from backends.actors import PolicyRef, start_policy, stop_policy, sync_weights, trainer
+from backends.models import build_tiny_model
+from backends.types import Datum, WorkerSpec
+from infra import tracking
+from infra.config import RLJobConfig
+from infra.storage import Storage
+from tasks.common import chat_format, evaluate_policy, stable_hash
+from tasks.rl import loop_limits
+from tasks.types import JobContext
+
+DONE_MARKER = "DONE.json"
+
+
+@task(name="prepare-model", cache_policy=NO_CACHE)
+def prepare_model(cfg: RLJobConfig, ctx: JobContext) -> str:
+    """The base model's URI: ``model.source`` as given, or a tiny model built once into storage."""
+    if cfg.model.source != "tiny":
+        return cfg.model.source
+    storage = Storage(ctx.storage_url)
+    rel = f"models/tiny-{stable_hash(cfg.model.tiny.model_dump())}"
+    if not storage.exists(f"{rel}/{DONE_MARKER}"):
+        with tempfile.TemporaryDirectory() as tmp:
+            build_tiny_model(cfg.model.tiny, tmp)
+            storage.put_dir(tmp, rel)
+        storage.write_json(f"{rel}/{DONE_MARKER}", cfg.model.tiny.model_dump())
+    return storage.uri(rel)
+
+
+def _sft_datum(chat: Any, messages: list[dict[str, str]]) -> Datum:
+    """Prompt tokens (mask 0) + the assistant reply exactly as the sampler emits it (mask 1)."""
+    prompt = chat.encode_prompt(messages[:-1])
+    reply = chat.tokenizer.encode(messages[-1]["content"], add_special_tokens=False)
+    reply = reply + chat.stop_token_ids[:1]
+    return Datum(prompt + reply, [0] * len(prompt) + [1] * len(reply))
+
+
+@task(name="warmup", cache_policy=NO_CACHE)
+def warmup(cfg: RLJobConfig, ctx: JobContext, base_uri: str) -> dict[str, Any]:
+    """SFT the base model until held-out accuracy reaches the target; cached by content hash.
+
+    Returns ``{"model_uri", "accuracy", "steps", "cached"}``. A second job with the same
+    base model, environment and warm-up settings reuses the stored result.
+    """
+    if not cfg.warmup.enabled:
+        return {"model_uri": base_uri, "accuracy": None, "steps": 0, "cached": False}
+    storage = Storage(ctx.storage_url)
+    key = stable_hash(base_uri, cfg.env.model_dump(), cfg.warmup.model_dump(), cfg.seed)
+    rel = f"cache/warmup-{key}"
+    if storage.exists(f"{rel}/{DONE_MARKER}"):
+        return {**storage.read_json(f"{rel}/{DONE_MARKER}"), "cached": True}
+    spec = WorkerSpec(
+        model_uri=base_uri,
+        cache_dir=ctx.cache_dir,
+        learning_rate=cfg.warmup.learning_rate,
+        seed=cfg.seed,
+        torch_threads=cfg.resources.torch_threads,
+    )
+    policy = start_policy(f"{ctx.run_name}-warmup", spec, local=False)
+    try:
+        result = _sft_until(cfg, ctx, base_uri, policy)
+        trainer(policy).export_pretrained(ctx.storage_url, rel)
+    finally:
+        stop_policy(policy)
+    result = {**result, "model_uri": storage.uri(rel)}
+    storage.write_json(f"{rel}/{DONE_MARKER}", result)
+    return {**result, "cached": False}
+
+
+def _sft_until(cfg: RLJobConfig, ctx: JobContext, base_uri: str, policy: PolicyRef) -> dict:
+    task_cfg = cfg.env.task()
+    source = task_cfg.train_source()
+    chat = chat_format(base_uri, ctx.cache_dir)
+    worker = trainer(policy)
+    accuracy, step = 0.0, 0
+    while step < cfg.warmup.max_steps:
+        rows = source.next_batch(cfg.warmup.batch_size)
+        data = [_sft_datum(chat, task_cfg.sft_example(row)) for row in rows]
+        worker.forward_backward(data, "cross_entropy")
+        worker.optim_step()
+        step += 1
+        if step % cfg.warmup.eval_every == 0 or step == cfg.warmup.max_steps:
+            sync_weights(policy)
+            accuracy = evaluate_policy(task_cfg, policy, chat, loop_limits(cfg)).accuracy
+            if accuracy >= cfg.warmup.target_accuracy:
+                break
+    return {"accuracy": accuracy, "steps": step}
+
+
+@task(name="register", cache_policy=NO_CACHE)
+def register(
+    cfg: RLJobConfig, ctx: JobContext, policy: PolicyRef, run_id: str, metrics: dict[str, float]
+) -> str:
+    """Export the policy as an HF folder, log it to the MLflow run, register a new version."""
+    storage = Storage(ctx.storage_url)
+    rel = f"{ctx.prefix}/policy"
+    trainer(policy).export_pretrained(ctx.storage_url, rel)
+    with tempfile.TemporaryDirectory() as tmp:
+        storage.get_dir(rel, tmp)
+        return tracking.register_policy(run_id, tmp, cfg.registered_model_name, metrics)

@@ -1,0 +1,134 @@
+"""The RL stages as Prefect tasks: rollout, reward, update, eval, checkpoint, restore.
+
+Each task is one stage, keyed by (job, step) so a retry redoes exactly its own work; it calls
+the policy's workers and passes small records, never tensors or models.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from agent_loop.loop import LoopLimits
+from backends.actors import PolicyRef, sync_weights, trainer
+from backends.algorithms import get_advantage_estimator
+from backends.types import Datum
+from infra.config import RLJobConfig
+from infra.storage import Storage, prune_checkpoints
+from tasks.common import chat_format, derived_seed, evaluate_policy, run_group_episodes
+from tasks.types import EvalResult, JobContext, RolloutBatch, ScoredBatch
+
+
+def loop_limits(cfg: RLJobConfig) -> LoopLimits:
+    r = cfg.rollout
+    return LoopLimits(
+        max_turns=r.max_turns,
+        max_new_tokens=r.max_new_tokens,
+        max_context_tokens=r.max_context_tokens,
+        temperature=r.temperature,
+    )
+
+
+@task(name="rollout", cache_policy=NO_CACHE)
+def rollout(
+    cfg: RLJobConfig,
+    ctx: JobContext,
+    model_uri: str,
+    policy: PolicyRef,
+    step: int,
+    cursor: dict | None,
+) -> RolloutBatch:
+    """Sample ``group_size`` episodes for each of the step's data rows."""
+    start = time.perf_counter()
+    task_cfg = cfg.env.task()
+    source = task_cfg.train_source()
+    if cursor:
+        source.load_state(cursor)
+    rows = source.next_batch(cfg.rollout.prompts_per_step)
+    trajectories = run_group_episodes(
+        task_cfg,
+        rows,
+        cfg.rollout.group_size,
+        policy,
+        chat_format(model_uri, ctx.cache_dir),
+        loop_limits(cfg),
+        seed=derived_seed(cfg.seed, "rollout", step),
+        id_prefix=f"s{step}",
+    )
+    return RolloutBatch(step, trajectories, source.state(), time.perf_counter() - start)
+
+
+@task(name="reward", cache_policy=NO_CACHE)
+def score(cfg: RLJobConfig, batch: RolloutBatch) -> ScoredBatch:
+    """Episode returns → advantages → training data (failed episodes are left out)."""
+    ok = [t for t in batch.trajectories if not t.failed]
+    metrics: dict[str, float] = {
+        "rollout/failed_episodes": float(len(batch.trajectories) - len(ok)),
+        "rollout/sampled_tokens": float(sum(t.num_sampled_tokens for t in ok)),
+        "rollout/tokens_per_s": sum(t.num_sampled_tokens for t in ok) / max(batch.seconds, 1e-9),
+        "time/rollout_s": batch.seconds,
+    }
+    if not ok:
+        return ScoredBatch(batch.step, [], {**metrics, "reward/mean": 0.0})
+    rewards_N = torch.tensor([t.reward for t in ok], dtype=torch.float32)
+    groups_N = torch.tensor([t.group_id for t in ok])
+    advantages_N = get_advantage_estimator(cfg.algorithm.advantage)(rewards_N, groups_N)
+    data = [
+        Datum(t.tokens, t.loss_mask, float(a), t.logprobs)
+        for t, a in zip(ok, advantages_N.tolist(), strict=True)
+    ]
+    correct = [bool(t.info.get("correct", t.reward > 0)) for t in ok]
+    metrics |= {
+        "reward/mean": float(rewards_N.mean()),
+        "reward/accuracy": sum(correct) / len(correct),
+        "reward/nonzero_advantage_frac": float((advantages_N.abs() > 1e-8).float().mean()),
+    }
+    samples = [{"reward": t.reward, "messages": t.messages} for t in ok[:: cfg.rollout.group_size]]
+    return ScoredBatch(batch.step, data, metrics, samples[:4])
+
+
+@task(name="update", cache_policy=NO_CACHE)
+def update(cfg: RLJobConfig, policy: PolicyRef, scored: ScoredBatch) -> dict[str, float]:
+    """One optimiser step on the scored batch, then weight sync trainer → sampler."""
+    start = time.perf_counter()
+    if not scored.data:
+        return {"train/skipped": 1.0, "time/update_s": time.perf_counter() - start}
+    worker = trainer(policy)
+    loss_config = {"clip_eps": cfg.algorithm.clip_eps}
+    metrics = worker.forward_backward(scored.data, cfg.algorithm.loss, loss_config)
+    metrics |= worker.optim_step()
+    sync_weights(policy)
+    out = {f"train/{k}": float(v) for k, v in metrics.items()}
+    return out | {"time/update_s": time.perf_counter() - start}
+
+
+@task(name="eval", cache_policy=NO_CACHE)
+def evaluate(cfg: RLJobConfig, ctx: JobContext, model_uri: str, policy: PolicyRef) -> EvalResult:
+    """Greedy accuracy on the environment's fixed held-out set."""
+    chat = chat_format(model_uri, ctx.cache_dir)
+    return evaluate_policy(cfg.env.task(), policy, chat, loop_limits(cfg))
+
+
+@task(name="checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+def checkpoint(
+    cfg: RLJobConfig, ctx: JobContext, policy: PolicyRef, step: int, meta: dict[str, Any]
+) -> str:
+    """Commit a resumable checkpoint after ``step`` steps; keep the newest few."""
+    uri = trainer(policy).save_state(ctx.storage_url, ctx.checkpoint_prefix, step, meta)
+    prune_checkpoints(
+        Storage(ctx.storage_url), ctx.checkpoint_prefix, cfg.schedule.keep_checkpoints
+    )
+    return uri
+
+
+@task(name="restore", cache_policy=NO_CACHE)
+def restore(ctx: JobContext, policy: PolicyRef) -> dict[str, Any] | None:
+    """Resume from the job's latest complete checkpoint, if any (weights synced to sampler)."""
+    meta = trainer(policy).load_state(ctx.storage_url, ctx.checkpoint_prefix)
+    if meta is not None:
+        sync_weights(policy)
+    return meta

@@ -1,0 +1,69 @@
+"""Small records that pass between stage tasks (picklable; no tensors, no models)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from agent_loop.types import Trajectory
+from backends.types import Datum
+
+
+@dataclass(frozen=True)
+class JobContext:
+    """Where one job keeps its things. Every path is under the job's own storage prefix."""
+
+    name: str
+    storage_url: str
+    """Root of the storage (any fsspec URL)."""
+    cache_dir: str
+    """Local folder for copies of remote models."""
+    run_name: str
+    """Unique per flow run: prefixes actor names so concurrent jobs never collide."""
+
+    @property
+    def prefix(self) -> str:
+        return f"jobs/{self.name}"
+
+    @property
+    def checkpoint_prefix(self) -> str:
+        return f"{self.prefix}/checkpoints"
+
+
+@dataclass
+class RolloutBatch:
+    """What the rollout stage produced for one step."""
+
+    step: int
+    trajectories: list[Trajectory]
+    cursor: dict[str, Any]
+    """Data-source state after this batch (saved in checkpoints)."""
+    seconds: float
+
+
+@dataclass
+class ScoredBatch:
+    """Training data plus reward statistics, from the reward stage."""
+
+    step: int
+    data: list[Datum]
+    metrics: dict[str, float] = field(default_factory=dict)
+    samples: list[dict[str, Any]] = field(default_factory=list)
+    """A few transcripts for the sample-trajectories artifact."""
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    accuracy: float
+    reward_mean: float
+    num_episodes: int
+    num_failed: int
+    seconds: float
+
+    def metrics(self, prefix: str = "eval") -> dict[str, float]:
+        return {
+            f"{prefix}/accuracy": self.accuracy,
+            f"{prefix}/reward_mean": self.reward_mean,
+            f"{prefix}/failed": float(self.num_failed),
+            f"{prefix}/seconds": self.seconds,
+        }

@@ -1,0 +1,81 @@
+"""A bad job config fails at once, naming the field, and starts nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from infra.config import ConfigError, RLJobConfig, load_config, parse_overrides
+from infra.settings import Settings
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_shipped_configs_validate():
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        assert isinstance(load_config(path), RLJobConfig), path
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(None, ["schedule.steps=7", "model.lora.enabled=true", "seed=3"])
+    assert cfg.schedule.steps == 7 and cfg.model.lora.enabled is True and cfg.seed == 3
+    assert parse_overrides(["env.params.operators=['+', '-']"]) == {
+        "env": {"params": {"operators": ["+", "-"]}}
+    }
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["schedule.stepz=3"], "schedule.stepz"),  # unknown key
+        (["schedule.steps=many"], "schedule.steps"),  # wrong type
+        (["rollout.group_size=0"], "rollout.group_size"),  # out of range
+        (["algorithm.loss=nonsense"], "algorithm.loss"),  # unknown registry name
+        (["env.name=chess"], "env"),  # unknown environment
+        (["env.params.max_operand=-5"], "max_operand"),  # bad environment parameter
+        (["name=Has Spaces"], "name"),
+        (["warmup.target_accuracy=1.5"], "warmup.target_accuracy"),
+    ],
+)
+def test_bad_values_name_the_field(overrides, named):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    assert named in str(err.value)
+
+
+def test_missing_file_and_malformed_override():
+    with pytest.raises(ConfigError, match="not found"):
+        load_config("/nonexistent/job.yaml")
+    with pytest.raises(ConfigError, match="key=value"):
+        load_config(None, ["schedule.steps"])
+
+
+def test_cli_rejects_bad_config_before_starting_anything(tmp_path):
+    """Exit code 2, the field named on stderr, and no job state written anywhere."""
+    env = {"FLOWRL_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "infra.cli", "train", "--set", "rollout.temperature=-1"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "rollout.temperature" in proc.stderr
+    assert not (tmp_path / "home").exists()
+
+
+def test_settings_default_to_embedded_engines(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLOWRL_HOME", str(tmp_path))
+    for var in ("FLOWRL_STORAGE_URL", "FLOWRL_MLFLOW_TRACKING_URI", "FLOWRL_RAY_ADDRESS"):
+        monkeypatch.delenv(var, raising=False)
+    s = Settings()
+    assert s.tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    assert s.storage_root == str(tmp_path / "storage")
+    assert s.ray_address is None and s.prefect_api_url is None
+    monkeypatch.setenv("FLOWRL_STORAGE_URL", "s3://bucket/prefix")
+    assert Settings().storage_root == "s3://bucket/prefix"
