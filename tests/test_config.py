@@ -79,3 +79,24 @@ def test_settings_default_to_embedded_engines(tmp_path, monkeypatch):
     assert s.ray_address is None and s.prefect_api_url is None
     monkeypatch.setenv("FLOWRL_STORAGE_URL", "s3://bucket/prefix")
     assert Settings().storage_root == "s3://bucket/prefix"
+
+
+def _dotted_fields(model, prefix=""):
+    from pydantic import BaseModel
+
+    for name, field in model.model_fields.items():
+        ann = field.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            yield from _dotted_fields(ann, f"{prefix}{name}.")
+        else:
+            yield f"{prefix}{name}"
+
+
+def test_readme_documents_every_config_field():
+    from environments.registry import ENVIRONMENTS
+
+    readme = (REPO / "README.md").read_text()
+    missing = [f for f in _dotted_fields(RLJobConfig) if f"`{f}`" not in readme]
+    for task_cls in ENVIRONMENTS.values():
+        missing += [f for f in task_cls.model_fields if f"`{f}`" not in readme]
+    assert not missing, f"README lacks config fields: {missing}"
