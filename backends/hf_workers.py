@@ -177,20 +177,26 @@ class TorchTrainer:
         }
         return {k: v.to(self.device) for k, v in batch.items()}
 
-    def _logprobs(self, b: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _logprobs(self, b: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs of each next token; ``temperature`` matches the sampling distribution."""
         logits = self.model(input_ids=b["ids"], attention_mask=b["attention"]).logits
-        return token_logprobs(logits[:, :-1].float(), b["ids"][:, 1:])
+        return token_logprobs(logits[:, :-1].float() / temperature, b["ids"][:, 1:])
 
     def forward_backward(
-        self, data: list[Datum], loss_fn: str, loss_config: dict[str, Any] | None = None
+        self,
+        data: list[Datum],
+        loss_fn: str,
+        loss_config: dict[str, Any] | None = None,
+        temperature: float = 1.0,
     ) -> dict[str, float]:
         """Accumulate gradients of ``loss_fn`` over ``data``.
 
         ``"cross_entropy"`` is SFT (mean NLL over mask-1 tokens); any other name is a policy
-        loss from ``backends.algorithms.POLICY_LOSSES``.
+        loss from ``backends.algorithms.POLICY_LOSSES``, evaluated at the sampling
+        ``temperature`` so that the ratio to the sampler's log-probs starts at 1.
         """
         b = self._batch(data)
-        logprobs_B_T = self._logprobs(b)
+        logprobs_B_T = self._logprobs(b, temperature)
         if loss_fn == "cross_entropy":
             loss = -(logprobs_B_T * b["mask"]).sum() / b["mask"].sum().clamp(min=1)
             metrics: dict[str, float] = {}
@@ -212,10 +218,10 @@ class TorchTrainer:
         return {"grad_norm": float(grad_norm), "weights_version": self.version}
 
     @torch.no_grad()
-    def compute_logprobs(self, data: list[Datum]) -> list[list[float]]:
+    def compute_logprobs(self, data: list[Datum], temperature: float = 1.0) -> list[list[float]]:
         """Log-probability of every token given its prefix (first token: 0.0)."""
         b = self._batch(data)
-        logprobs_B_T = self._logprobs(b)
+        logprobs_B_T = self._logprobs(b, temperature)
         return [[0.0] + logprobs_B_T[i, : len(d.tokens) - 1].tolist() for i, d in enumerate(data)]
 
     def get_weights(self) -> tuple[dict[str, torch.Tensor], int]:
@@ -266,7 +272,8 @@ class TorchTrainer:
         return storage.uri(rel)
 
     def _merged_copy(self) -> torch.nn.Module:
-        """A plain model with the adapter merged in; the live adapter is left untouched."""
-        copy = get_peft_model(load_causal_lm(self.model_path), _lora_config(self.spec))
+        """A plain model with the adapter merged in; the live adapter and RNG are untouched."""
+        with torch.random.fork_rng(devices=[]):  # the throwaway adapter init draws randoms
+            copy = get_peft_model(load_causal_lm(self.model_path), _lora_config(self.spec))
         set_peft_model_state_dict(copy, get_peft_model_state_dict(self.model))
         return copy.merge_and_unload()

@@ -12,7 +12,7 @@ from prefect.runtime import flow_run
 from prefect_ray import RayTaskRunner
 from tqdm import tqdm
 
-from backends.actors import ActorResources, PolicyRef, start_policy
+from backends.actors import ActorResources, PolicyRef, start_policy, stop_policy
 from backends.types import WorkerSpec
 from infra import tracking
 from infra.config import RLJobConfig
@@ -60,6 +60,19 @@ class JobRun:
         self._last_tick = time.perf_counter()
         self._progress_id: Any = None
         self._bar: tqdm | None = None
+        self._policy: PolicyRef | None = None
+
+    def __enter__(self) -> JobRun:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        """Release the workers; a failed job leaves its MLflow run marked FAILED (resumable)."""
+        if self._policy is not None:
+            stop_policy(self._policy)
+        if self._bar is not None:
+            self._bar.close()
+        if exc_type is not None:
+            tracking.end_run(self.run_id, status="FAILED")
 
     def start_policy(self, model_uri: str) -> PolicyRef:
         c = self.config
@@ -73,13 +86,14 @@ class JobRun:
             torch_threads=c.resources.torch_threads,
         )
         gpus = c.resources.gpus_per_worker
-        return start_policy(
+        self._policy = start_policy(
             self.ctx.run_name,
             spec,
             ActorResources(num_cpus=1, num_gpus=gpus),
             c.resources.sampler_backend,
             c.resources.trainer_backend,
         )
+        return self._policy
 
     def resume_point(self, meta: dict[str, Any] | None) -> tuple[int, dict | None, float | None]:
         """(first step to run, data cursor, accuracy at the start of RL) from a checkpoint."""
@@ -99,7 +113,6 @@ class JobRun:
         self._last_tick = time.perf_counter()
         self.done_steps = start
         yield from range(start, total)
-        self._bar.close()
 
     def due(self, step: int, every: int, at_end: bool = False) -> bool:
         """Whether a periodic stage runs after ``step``; ``at_end`` adds the last step."""
@@ -131,7 +144,3 @@ class JobRun:
             f"{self.ctx.prefix}/result.json", {"model_uri": model_uri, "mlflow_run_id": self.run_id}
         )
         tracking.end_run(self.run_id)
-
-
-def open_job(config: RLJobConfig) -> JobRun:
-    return JobRun(config)

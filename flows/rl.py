@@ -12,8 +12,7 @@ from dataclasses import dataclass
 
 from prefect import flow, get_run_logger
 
-from backends.actors import stop_policy
-from flows.common import JobRun, open_job, task_runner
+from flows.common import JobRun, task_runner
 from infra.config import RLJobConfig
 from tasks.model import prepare_model, register, warmup
 from tasks.rl import checkpoint, evaluate, restore, rollout, score, update
@@ -39,41 +38,38 @@ class RLResult:
 @flow(name="rl-train", task_runner=task_runner(), log_prints=True)
 def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
     logger = get_run_logger()
-    job: JobRun = open_job(config)
-    base_uri = prepare_model(config, job.ctx)
-    warm = warmup(config, job.ctx, base_uri)
-    logger.info("warm-up: %s", warm)
-    start_uri = warm["model_uri"]
-    policy = job.start_policy(start_uri)
-    try:
+    with JobRun(config) as job:
+        base_uri = prepare_model(config, job.ctx)
+        warm = warmup(config, job.ctx, base_uri)
+        logger.info("warm-up: %s", warm)
+        model_uri = warm["model_uri"]
+        policy = job.start_policy(model_uri)
         resumed = restore(job.ctx, policy)
         start, cursor, acc_start = job.resume_point(resumed)
         if acc_start is None:
-            acc_start = evaluate(config, job.ctx, start_uri, policy).accuracy
+            acc_start = evaluate(config, job.ctx, model_uri, policy).accuracy
             job.log({"eval/accuracy": acc_start}, step=0)
         for step in job.steps(start):
-            batch = rollout(config, job.ctx, start_uri, policy, step, cursor)
+            batch = rollout(config, job.ctx, model_uri, policy, step, cursor)
             scored = score(config, batch)
             stats = update(config, policy, scored)
             cursor = batch.cursor
             job.record_step(step, scored, stats)
             if job.due(step, config.schedule.eval_every):
-                job.log(evaluate(config, job.ctx, start_uri, policy).metrics(), step + 1)
+                job.log(evaluate(config, job.ctx, model_uri, policy).metrics(), step + 1)
             if job.due(step, config.schedule.checkpoint_every, at_end=True):
                 checkpoint(config, job.ctx, policy, step + 1, job.meta(cursor, acc_start))
-        final = evaluate(config, job.ctx, start_uri, policy)
+        final = evaluate(config, job.ctx, model_uri, policy)
         job.log(final.metrics("final"), config.schedule.steps)
-        model_uri = register(config, job.ctx, policy, job.run_id, final.metrics("final"))
-    finally:
-        stop_policy(policy)
-    job.finish(model_uri)
-    logger.info("accuracy %.3f -> %.3f; registered %s", acc_start, final.accuracy, model_uri)
+        registered = register(config, job.ctx, policy, job.run_id, final.metrics("final"))
+        job.finish(registered)
+    logger.info("accuracy %.3f -> %.3f; registered %s", acc_start, final.accuracy, registered)
     return RLResult(
-        config.name,
-        model_uri,
-        acc_start,
-        final.accuracy,
-        job.run_id,
-        job.done_steps,
+        job=config.name,
+        model_uri=registered,
+        accuracy_start=acc_start,
+        accuracy_end=final.accuracy,
+        mlflow_run_id=job.run_id,
+        steps=job.done_steps,
         resumed_from=start if resumed else None,
     )

@@ -17,7 +17,9 @@ from tasks.types import EvalResult
 @lru_cache(maxsize=8)
 def chat_format(model_uri: str, cache_dir: str) -> HFChatFormat:
     """The policy's chat format (tokenizer only: tasks never load weights)."""
-    return HFChatFormat(load_tokenizer(resolve_model_uri(model_uri, cache_dir)))
+    tokenizer = load_tokenizer(resolve_model_uri(model_uri, cache_dir))
+    # Environment text that happens to contain "<|end|>" stays text, never a control token.
+    return HFChatFormat(tokenizer, sanitize_control_tokens=True)
 
 
 def stable_hash(*parts: Any, length: int = 12) -> str:

@@ -99,7 +99,9 @@ def update(cfg: RLJobConfig, policy: PolicyRef, scored: ScoredBatch) -> dict[str
         return {"train/skipped": 1.0, "time/update_s": time.perf_counter() - start}
     worker = trainer(policy)
     loss_config = {"clip_eps": cfg.algorithm.clip_eps}
-    metrics = worker.forward_backward(scored.data, cfg.algorithm.loss, loss_config)
+    metrics = worker.forward_backward(
+        scored.data, cfg.algorithm.loss, loss_config, cfg.rollout.temperature
+    )
     metrics |= worker.optim_step()
     sync_weights(policy)
     out = {f"train/{k}": float(v) for k, v in metrics.items()}

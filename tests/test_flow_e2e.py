@@ -104,3 +104,17 @@ def test_checkpoints_are_committed_under_the_job_prefix(trained, flowrl_home):
     storage = Storage(get_settings().storage_root)
     assert latest_checkpoint(storage, "jobs/arithmetic-e2e/checkpoints") == STEPS
     assert storage.read_json("jobs/arithmetic-e2e/result.json")["model_uri"] == result.model_uri
+
+
+def test_second_run_skips_the_cached_warmup(trained):
+    from infra.settings import get_settings
+    from tasks.model import prepare_model, warmup
+    from tasks.types import JobContext
+
+    config, _ = trained
+    s = get_settings()
+    ctx = JobContext(config.name, s.storage_root, s.model_cache_dir, run_name="cache-check")
+    base_uri = prepare_model.fn(config, ctx)
+    again = warmup.fn(config, ctx, base_uri)  # would start actors and train if not cached
+    assert again["cached"] is True
+    assert again["accuracy"] >= config.warmup.target_accuracy

@@ -1,0 +1,231 @@
+"""The model workers' verbs on a tiny model: weight sync, updates, seeding, resume, LoRA, Ray.
+
+Most tests run the sampler and trainer in-process (``start_policy(local=True)``); one test
+runs them as named Ray actors. The central invariant: after a weight sync the sampler's
+log-probs of what it sampled equal the trainer's log-probs of the same sequences.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+
+from agent_loop.types import SampleResult
+from backends.actors import PolicyRef, sampler, start_policy, stop_policy, sync_weights, trainer
+from backends.models import (
+    HFChatFormat,
+    TinyModelSpec,
+    build_tiny_model,
+    load_causal_lm,
+    load_tokenizer,
+)
+from backends.types import Datum, LoraSettings, WorkerSpec
+from infra.storage import Storage, latest_checkpoint
+
+torch.set_num_threads(1)
+
+MAX_NEW_TOKENS = 12
+LORA = LoraSettings(enabled=True, r=4, alpha=8)
+_names = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return build_tiny_model(TinyModelSpec(), str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: str) -> list[list[int]]:
+    """Chat prompts of three different lengths (the sampler must left-pad them)."""
+    chat = HFChatFormat(load_tokenizer(model_dir))
+    questions = ["1+1?", "What is 12 * 13? Think step by step.", "Hi"]
+    encoded = [chat.encode_prompt([{"role": "user", "content": q}]) for q in questions]
+    assert len({len(p) for p in encoded}) == 3
+    return encoded
+
+
+@pytest.fixture
+def policy(model_dir: str, tmp_path: Path) -> Iterator[Callable[..., PolicyRef]]:
+    """Start in-process policies (``policy(lora=..., learning_rate=...)``); stopped afterwards."""
+    refs: list[PolicyRef] = []
+
+    def start(**spec_fields) -> PolicyRef:
+        spec = WorkerSpec(model_uri=model_dir, cache_dir=str(tmp_path / "cache"), **spec_fields)
+        refs.append(start_policy(f"test-workers-{next(_names)}", spec, local=True))
+        return refs[-1]
+
+    yield start
+    for ref in refs:
+        stop_policy(ref)
+
+
+def as_data(prompts: list[list[int]], results: list[SampleResult], advantage: float = 0.0):
+    """Prompt + completion per row; loss and the sampler's log-probs on the completion only."""
+    return [
+        Datum(
+            tokens=p + r.tokens,
+            loss_mask=[0] * len(p) + [1] * len(r.tokens),
+            advantage=advantage,
+            old_logprobs=[0.0] * len(p) + r.logprobs,
+        )
+        for p, r in zip(prompts, results, strict=True)
+    ]
+
+
+def assert_sampler_matches_trainer(
+    ref: PolicyRef, prompts: list[list[int]], temperature: float, seed: int = 0
+) -> list[SampleResult]:
+    results = sampler(ref).sample(prompts, MAX_NEW_TOKENS, temperature, seed=seed)
+    # Greedy log-probs are reported at temperature 1; sampled ones at the sampling temperature.
+    at = temperature if temperature > 0 else 1.0
+    trainer_logprobs = trainer(ref).compute_logprobs(as_data(prompts, results), at)
+    for prompt, result, row in zip(prompts, results, trainer_logprobs, strict=True):
+        assert len(result.tokens) == len(result.logprobs) > 0
+        expected = torch.tensor(row[len(prompt) :])
+        torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=1e-5, rtol=0)
+    return results
+
+
+def update(ref: PolicyRef, data: list[Datum]) -> dict[str, float]:
+    trainer(ref).forward_backward(data, "ppo_clip")
+    return trainer(ref).optim_step()
+
+
+def mean_logprob(ref: PolicyRef, prompts: list[list[int]], data: list[Datum]) -> float:
+    """The trainer's log-prob of each completion (summed over its tokens), averaged over rows."""
+    rows = trainer(ref).compute_logprobs(data)
+    return sum(sum(row[len(p) :]) for p, row in zip(prompts, rows, strict=True)) / len(rows)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0], ids=["sampled", "cooled", "greedy"])
+def test_sampler_logprobs_match_trainer_after_sync(policy, prompts, temperature):
+    ref = policy()
+    assert sync_weights(ref) == 0
+    assert_sampler_matches_trainer(ref, prompts, temperature)
+
+
+def test_policy_gradient_step_then_sync_moves_sampler_and_keeps_the_match(policy, prompts):
+    ref = policy()
+    before = sampler(ref).sample(prompts, MAX_NEW_TOKENS, 1.0, seed=3)
+    data = as_data(prompts, before, advantage=1.0)
+    logprob_before = mean_logprob(ref, prompts, data)
+    assert update(ref, data)["weights_version"] == 1
+    # A positive advantage makes the sampled completions more likely under the trainer ...
+    assert mean_logprob(ref, prompts, data) > logprob_before + 0.1
+    # ... while the sampler keeps the old weights until the sync.
+    stale = sampler(ref).sample(prompts, MAX_NEW_TOKENS, 1.0, seed=3)
+    assert [r.logprobs for r in stale] == [r.logprobs for r in before]
+    assert sync_weights(ref) == 1 and sampler(ref).get_weights_version() == 1
+    after = assert_sampler_matches_trainer(ref, prompts, 1.0, seed=3)
+    # Same seed; a completion may end earlier or later now, so compare the common prefix.
+    pairs = [zip(r.logprobs, s.logprobs, strict=False) for r, s in zip(after, before, strict=True)]
+    assert max(abs(a - b) for pair in pairs for a, b in pair) > 1e-3
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_is_deterministic(policy, prompts):
+    ref = policy()
+    sample = sampler(ref).sample
+    first, again = (sample(prompts, MAX_NEW_TOKENS, 1.0, seed=7) for _ in range(2))
+    assert first == again
+    assert [r.tokens for r in sample(prompts, MAX_NEW_TOKENS, 1.0, seed=8)] != [
+        r.tokens for r in first
+    ]
+    greedy = [sample(prompts, MAX_NEW_TOKENS, 0.0, seed=s) for s in (None, 1, 2)]
+    assert greedy[0] == greedy[1] == greedy[2]
+
+
+def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(policy, prompts, tmp_path):
+    url, prefix = str(tmp_path / "store"), "job/checkpoints"
+    ref = policy()
+    data = as_data(prompts, sampler(ref).sample(prompts, MAX_NEW_TOKENS, 1.0, seed=0), 1.0)
+    update(ref, data)
+    uri = trainer(ref).save_state(url, prefix, 1, {"job": "resume-test"})
+    assert uri.endswith("step-00000001") and latest_checkpoint(Storage(url), prefix) == 1
+    saved_weights, saved_rng = trainer(ref).get_weights()[0], torch.get_rng_state()
+    update(ref, data)  # the uninterrupted run's step 2
+    expected = trainer(ref).get_weights()[0]
+    update(ref, data)  # one more, so a rewind has something to undo
+    torch.rand(3)  # and move the RNG on
+
+    # Rewind the same trainer, then resume in a fresh one (a restarted job).
+    for resumed in (ref, policy()):
+        meta = trainer(resumed).load_state(url, prefix)
+        assert meta["step"] == 1 and meta["job"] == "resume-test" and meta["weights_version"] == 1
+        assert torch.equal(torch.get_rng_state(), saved_rng)
+        weights = trainer(resumed).get_weights()[0]
+        assert all(torch.equal(weights[k], v) for k, v in saved_weights.items())
+        assert update(resumed, data)["weights_version"] == 2
+        weights = trainer(resumed).get_weights()[0]
+        assert all(torch.equal(weights[k], v) for k, v in expected.items())  # optimiser too
+
+    trainer(ref).save_state(url, prefix, 2, {})
+    assert latest_checkpoint(Storage(url), prefix) == 2
+
+
+def test_lora_trains_only_the_adapter_checkpoints_it_small_and_exports_merged(
+    policy, prompts, tmp_path
+):
+    url = str(tmp_path / "store")
+    ref, full = policy(lora=LORA, learning_rate=1e-2), policy()
+    live = trainer(ref).model
+    trainable = [n for n, p in live.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+
+    data = as_data(prompts, sampler(ref).sample(prompts, MAX_NEW_TOKENS, 1.0, seed=0), 1.0)
+    update(ref, data)
+    trainer(ref).save_state(url, "lora", 1, {})
+    trainer(full).save_state(url, "full", 1, {})
+    storage = Storage(url)
+    adapter = load_safetensors(storage.read_bytes("lora/step-00000001/weights.safetensors"))
+    assert adapter and all("lora_" in k for k in adapter)
+    lora_size = storage.sizes("lora/step-00000001")["weights.safetensors"]
+    full_size = storage.sizes("full/step-00000001")["weights.safetensors"]
+    print(f"weights.safetensors: LoRA r=4 {lora_size} B, full model {full_size} B")
+    assert full_size > 10 * lora_size
+
+    adapter_before = trainer(ref).get_weights()[0]
+    folder = trainer(ref).export_pretrained(url, "export/policy").removeprefix("file://")
+    names = {p.name for p in Path(folder).iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= names
+    assert not any(n.startswith("adapter_") for n in names)
+    probe = torch.tensor([prompts[1] + data[1].tokens[len(prompts[1]) :]])
+    with torch.no_grad():
+        exported, merged_live = load_causal_lm(folder)(probe).logits, live(probe).logits
+        base = trainer(full).model(probe).logits
+    torch.testing.assert_close(exported, merged_live, atol=1e-4, rtol=0)
+    assert (exported - base).abs().max() > 1e-2  # the adapter did change the policy
+    after = trainer(ref).get_weights()[0]
+    assert all(torch.equal(after[k], v) for k, v in adapter_before.items())  # live one untouched
+
+    assert sync_weights(ref) == 1
+    assert_sampler_matches_trainer(ref, prompts, 1.0)
+
+
+@pytest.fixture
+def ray_cluster() -> Iterator[None]:
+    import ray
+
+    # address="local": always a fresh private instance, never another user's running cluster.
+    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="flowrl")
+    yield
+    ray.shutdown()
+
+
+def test_ray_actors_sample_update_sync_and_stop(ray_cluster, model_dir, prompts, tmp_path):
+    import ray
+
+    spec = WorkerSpec(model_uri=model_dir, cache_dir=str(tmp_path / "cache"))
+    ref = start_policy("test-workers-ray", spec, local=False)
+    results = sampler(ref).sample(prompts, MAX_NEW_TOKENS, 1.0, seed=0)
+    assert update(ref, as_data(prompts, results, advantage=1.0))["weights_version"] == 1
+    assert sync_weights(ref) == 1
+    assert_sampler_matches_trainer(ref, prompts, 1.0)
+    stop_policy(ref)
+    for name in (ref.sampler, ref.trainer):
+        with pytest.raises(ValueError):
+            ray.get_actor(name, namespace="flowrl")
