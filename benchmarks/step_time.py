@@ -161,8 +161,8 @@ def run_plain(config: Any) -> tuple[Series, dict[str, float]]:
     for step in range(c.schedule.steps):
         start = time.perf_counter()
         batch, rollout_s = timed(rollout.fn, c, ctx, uri, policy, step, cursor)
-        scored, reward_s = timed(score.fn, c, batch)
-        _, update_s = timed(update.fn, c, policy, scored)
+        scored, reward_s = timed(score.fn, c, ctx, batch)
+        _, update_s = timed(update.fn, c, ctx, policy, scored)
         cursor = batch.cursor
         steps["rollout"].append(rollout_s)
         steps["reward"].append(reward_s)
@@ -231,8 +231,8 @@ def report(config: Any, overrides: list[str], tables: list[str], wall_s: float) 
         f"date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; one run of `{command}` ({wall_s:.0f} s)",
         f"machine: {len(os.sched_getaffinity(0))} CPUs (nproc), {cpu}; load average at the end "
         f"{load}. Shared and noisy: compare numbers within this file, not with other runs.",
-        f"software: torch {torch.__version__} ({torch.get_num_threads()} thread(s) in this process, "
-        f"`resources.torch_threads={config.resources.torch_threads}` per worker), "
+        f"software: torch {torch.__version__} ({torch.get_num_threads()} thread(s) in this "
+        f"process, `resources.torch_threads={config.resources.torch_threads}` per worker), "
         f"prefect {prefect.__version__}, ray {ray.__version__}",
         f"job: the default job with `{' '.join(overrides)}` (full config below)",
         "plain: `rollout.fn`, `score.fn`, `update.fn` in a loop with in-process workers, timed "
@@ -240,7 +240,7 @@ def report(config: Any, overrides: list[str], tables: list[str], wall_s: float) 
         "(reward: its task run's duration in the Prefect API). "
         "Between stages = whole step − the three stages.",
     ]
-    title = f"# Time per RL step: plain calls vs Prefect + Ray ({config.schedule.steps} steps)\n"
+    title = f"# Time per RL step: plain calls vs Prefect + Ray ({config.schedule.steps} steps)\n\n"
     header = title + "\n".join(f"- {b}" for b in bullets) + "\n"
     config_yaml = yaml.safe_dump(config.model_dump(), sort_keys=False)
     details = f"<details><summary>config</summary>\n\n```yaml\n{config_yaml}```\n</details>\n"

@@ -133,7 +133,8 @@ class JobRun:
             self._bar.update(1)
             self._bar.set_postfix(reward=f"{scored.metrics.get('reward/mean', 0):.2f}")
         total = self.config.schedule.steps
-        update_progress_artifact(self._progress_id, progress=100.0 * (step + 1) / total)
+        if (step + 1) % 10 == 0 or step + 1 == total:  # each update is an API round trip
+            update_progress_artifact(self._progress_id, progress=100.0 * (step + 1) / total)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         tracking.log_metrics(self.run_id, metrics, step)

@@ -39,29 +39,33 @@ class RLResult:
 def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
     logger = get_run_logger()
     with JobRun(config) as job:
-        base_uri = prepare_model(config, job.ctx)
-        warm = warmup(config, job.ctx, base_uri)
+        # Every stage is submitted to the task runner: each runs as a Ray task on the cluster.
+        base_uri = prepare_model.submit(config, job.ctx).result()
+        warm = warmup.submit(config, job.ctx, base_uri).result()
         logger.info("warm-up: %s", warm)
         model_uri = warm["model_uri"]
         policy = job.start_policy(model_uri)
-        resumed = restore(job.ctx, policy)
+        resumed = restore.submit(job.ctx, policy).result()
         start, cursor, acc_start = job.resume_point(resumed)
         if acc_start is None:
-            acc_start = evaluate(config, job.ctx, model_uri, policy).accuracy
+            acc_start = evaluate.submit(config, job.ctx, model_uri, policy).result().accuracy
             job.log({"eval/accuracy": acc_start}, step=0)
         for step in job.steps(start):
-            batch = rollout(config, job.ctx, model_uri, policy, step, cursor)
-            scored = score(config, batch)
-            stats = update(config, policy, scored)
+            batch = rollout.submit(config, job.ctx, model_uri, policy, step, cursor).result()
+            scored = score.submit(config, job.ctx, batch).result()
+            stats = update.submit(config, job.ctx, policy, scored).result()
             cursor = batch.cursor
             job.record_step(step, scored, stats)
             if job.due(step, config.schedule.eval_every):
-                job.log(evaluate(config, job.ctx, model_uri, policy).metrics(), step + 1)
+                result = evaluate.submit(config, job.ctx, model_uri, policy).result()
+                job.log(result.metrics(), step + 1)
             if job.due(step, config.schedule.checkpoint_every, at_end=True):
-                checkpoint(config, job.ctx, policy, step + 1, job.meta(cursor, acc_start))
-        final = evaluate(config, job.ctx, model_uri, policy)
+                meta = job.meta(cursor, acc_start)
+                checkpoint.submit(config, job.ctx, policy, step + 1, meta).result()
+        final = evaluate.submit(config, job.ctx, model_uri, policy).result()
         job.log(final.metrics("final"), config.schedule.steps)
-        registered = register(config, job.ctx, policy, job.run_id, final.metrics("final"))
+        metrics = final.metrics("final")
+        registered = register.submit(config, job.ctx, policy, job.run_id, metrics).result()
         job.finish(registered)
     logger.info("accuracy %.3f -> %.3f; registered %s", acc_start, final.accuracy, registered)
     return RLResult(

@@ -85,7 +85,7 @@ class AlgorithmSection(_Section):
 
 
 class RolloutSection(_Section):
-    prompts_per_step: int = Field(default=32, ge=1, description="Data rows per RL step.")
+    prompts_per_step: int = Field(default=64, ge=1, description="Data rows per RL step.")
     group_size: int = Field(default=8, ge=1, description="Samples per row (GRPO group).")
     temperature: float = Field(default=1.0, gt=0, le=10, description="Sampling temperature.")
     max_new_tokens: int = Field(default=8, ge=1, description="Token budget of one policy turn.")
@@ -94,7 +94,7 @@ class RolloutSection(_Section):
 
 
 class ScheduleSection(_Section):
-    steps: int = Field(default=300, ge=1, description="RL steps.")
+    steps: int = Field(default=150, ge=1, description="RL steps.")
     eval_every: int = Field(default=25, ge=1, description="Steps between held-out evaluations.")
     checkpoint_every: int = Field(default=50, ge=1, description="Steps between checkpoints.")
     keep_checkpoints: int = Field(default=2, ge=1, description="Complete checkpoints kept.")

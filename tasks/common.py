@@ -72,6 +72,22 @@ def run_group_episodes(
     )
 
 
+def episode_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
+    """Means of the numeric ``info`` fields environments report (e.g. ``invalid_moves``,
+    ``tool_calls``, ``win``) as ``<prefix>/<field>``, and each stop reason's share."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for t in trajectories:
+        for key, value in t.info.items():
+            if isinstance(value, bool | int | float):
+                sums[key] = sums.get(key, 0.0) + float(value)
+                counts[key] = counts.get(key, 0) + 1
+        reason = f"stop_{t.stop_reason.value if t.stop_reason else 'none'}"
+        sums[reason] = sums.get(reason, 0.0) + 1.0
+    n = max(len(trajectories), 1)
+    return {f"{prefix}/{k}": v / (counts.get(k) or n) for k, v in sorted(sums.items())}
+
+
 def episode_accuracy(trajectories: list[Trajectory]) -> float:
     """Fraction of episodes judged correct (``info["correct"]``, else a positive return)."""
     if not trajectories:
@@ -103,4 +119,5 @@ def evaluate_policy(
         num_episodes=len(trajectories),
         num_failed=len(trajectories) - len(ok),
         seconds=time.perf_counter() - start,
+        env_metrics=episode_metrics(trajectories, "env"),
     )

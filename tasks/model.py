@@ -36,12 +36,21 @@ def prepare_model(cfg: RLJobConfig, ctx: JobContext) -> str:
     return storage.uri(rel)
 
 
-def _sft_datum(chat: Any, messages: list[dict[str, str]]) -> Datum:
-    """Prompt tokens (mask 0) + the assistant reply exactly as the sampler emits it (mask 1)."""
-    prompt = chat.encode_prompt(messages[:-1])
-    reply = chat.tokenizer.encode(messages[-1]["content"], add_special_tokens=False)
-    reply = reply + chat.stop_token_ids[:1]
-    return Datum(prompt + reply, [0] * len(prompt) + [1] * len(reply))
+def sft_datum(chat: Any, messages: list[dict[str, str]]) -> Datum:
+    """A conversation as the agent loop would have produced it: every assistant message is
+    trained on (mask 1) exactly as the sampler emits it (content + stop token); the opening
+    messages and every later user/tool message are injected (mask 0) with ``encode_turn``."""
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    tokens = chat.encode_prompt(messages[:first])
+    mask = [0] * len(tokens)
+    for message in messages[first:]:
+        if message["role"] == "assistant":
+            piece = chat.tokenizer.encode(message["content"], add_special_tokens=False)
+            piece, flag = piece + chat.stop_token_ids[:1], 1
+        else:
+            piece, flag = chat.encode_turn(message), 0
+        tokens, mask = tokens + piece, mask + [flag] * len(piece)
+    return Datum(tokens, mask)
 
 
 @task(name="warmup", cache_policy=NO_CACHE)
@@ -84,7 +93,7 @@ def _sft_until(cfg: RLJobConfig, ctx: JobContext, base_uri: str, policy: PolicyR
     accuracy, step = 0.0, 0
     while step < cfg.warmup.max_steps:
         rows = source.next_batch(cfg.warmup.batch_size)
-        data = [_sft_datum(chat, task_cfg.sft_example(row)) for row in rows]
+        data = [sft_datum(chat, task_cfg.sft_example(row)) for row in rows]
         worker.forward_backward(data, "cross_entropy")
         worker.optim_step()
         step += 1

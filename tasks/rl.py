@@ -19,7 +19,14 @@ from backends.algorithms import get_advantage_estimator
 from backends.types import Datum
 from infra.config import RLJobConfig
 from infra.storage import Storage, prune_checkpoints
-from tasks.common import chat_format, derived_seed, evaluate_policy, run_group_episodes
+from tasks.common import (
+    chat_format,
+    derived_seed,
+    episode_metrics,
+    evaluate_policy,
+    run_group_episodes,
+)
+from tasks.records import load_data, load_trajectories, save_data, save_trajectories, step_dir
 from tasks.types import EvalResult, JobContext, RolloutBatch, ScoredBatch
 
 
@@ -59,21 +66,25 @@ def rollout(
         seed=derived_seed(cfg.seed, "rollout", step),
         id_prefix=f"s{step}",
     )
-    return RolloutBatch(step, trajectories, source.state(), time.perf_counter() - start)
+    rel = f"{step_dir(ctx.prefix, step)}/trajectories.json"
+    save_trajectories(Storage(ctx.storage_url), rel, trajectories)
+    return RolloutBatch(step, rel, source.state(), time.perf_counter() - start)
 
 
 @task(name="reward", cache_policy=NO_CACHE)
-def score(cfg: RLJobConfig, batch: RolloutBatch) -> ScoredBatch:
+def score(cfg: RLJobConfig, ctx: JobContext, batch: RolloutBatch) -> ScoredBatch:
     """Episode returns → advantages → training data (failed episodes are left out)."""
-    ok = [t for t in batch.trajectories if not t.failed]
+    storage = Storage(ctx.storage_url)
+    trajectories = load_trajectories(storage, batch.trajectories)
+    ok = [t for t in trajectories if not t.failed]
     metrics: dict[str, float] = {
-        "rollout/failed_episodes": float(len(batch.trajectories) - len(ok)),
+        "rollout/failed_episodes": float(len(trajectories) - len(ok)),
         "rollout/sampled_tokens": float(sum(t.num_sampled_tokens for t in ok)),
         "rollout/tokens_per_s": sum(t.num_sampled_tokens for t in ok) / max(batch.seconds, 1e-9),
         "time/rollout_s": batch.seconds,
     }
     if not ok:
-        return ScoredBatch(batch.step, [], {**metrics, "reward/mean": 0.0})
+        return ScoredBatch(batch.step, None, {**metrics, "reward/mean": 0.0})
     rewards_N = torch.tensor([t.reward for t in ok], dtype=torch.float32)
     groups_N = torch.tensor([t.group_id for t in ok])
     advantages_N = get_advantage_estimator(cfg.algorithm.advantage)(rewards_N, groups_N)
@@ -82,28 +93,34 @@ def score(cfg: RLJobConfig, batch: RolloutBatch) -> ScoredBatch:
         for t, a in zip(ok, advantages_N.tolist(), strict=True)
     ]
     correct = [bool(t.info.get("correct", t.reward > 0)) for t in ok]
-    metrics |= {
+    metrics |= episode_metrics(trajectories, "env") | {
         "reward/mean": float(rewards_N.mean()),
         "reward/accuracy": sum(correct) / len(correct),
         "reward/nonzero_advantage_frac": float((advantages_N.abs() > 1e-8).float().mean()),
     }
     samples = [{"reward": t.reward, "messages": t.messages} for t in ok[:: cfg.rollout.group_size]]
-    return ScoredBatch(batch.step, data, metrics, samples[:4])
+    rel = f"{step_dir(ctx.prefix, batch.step)}/data.json"
+    save_data(storage, rel, data)
+    return ScoredBatch(batch.step, rel, metrics, samples[:4])
 
 
 @task(name="update", cache_policy=NO_CACHE)
-def update(cfg: RLJobConfig, policy: PolicyRef, scored: ScoredBatch) -> dict[str, float]:
+def update(
+    cfg: RLJobConfig, ctx: JobContext, policy: PolicyRef, scored: ScoredBatch
+) -> dict[str, float]:
     """One optimiser step on the scored batch, then weight sync trainer → sampler."""
     start = time.perf_counter()
-    if not scored.data:
+    storage = Storage(ctx.storage_url)
+    if scored.data is None:
         return {"train/skipped": 1.0, "time/update_s": time.perf_counter() - start}
     worker = trainer(policy)
     loss_config = {"clip_eps": cfg.algorithm.clip_eps}
     metrics = worker.forward_backward(
-        scored.data, cfg.algorithm.loss, loss_config, cfg.rollout.temperature
+        load_data(storage, scored.data), cfg.algorithm.loss, loss_config, cfg.rollout.temperature
     )
     metrics |= worker.optim_step()
     sync_weights(policy)
+    storage.delete(step_dir(ctx.prefix, scored.step))  # the step's records are consumed
     out = {f"train/{k}": float(v) for k, v in metrics.items()}
     return out | {"time/update_s": time.perf_counter() - start}
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent_loop.types import Trajectory
-from backends.types import Datum
-
 
 @dataclass(frozen=True)
 class JobContext:
@@ -30,23 +27,25 @@ class JobContext:
         return f"{self.prefix}/checkpoints"
 
 
-@dataclass
+@dataclass(frozen=True)
 class RolloutBatch:
-    """What the rollout stage produced for one step."""
+    """What the rollout stage produced for one step (the episodes themselves are in storage)."""
 
     step: int
-    trajectories: list[Trajectory]
+    trajectories: str
+    """Storage-relative path of the step's trajectories (``tasks.records``)."""
     cursor: dict[str, Any]
     """Data-source state after this batch (saved in checkpoints)."""
     seconds: float
 
 
-@dataclass
+@dataclass(frozen=True)
 class ScoredBatch:
-    """Training data plus reward statistics, from the reward stage."""
+    """Reward statistics and where the step's training data is, from the reward stage."""
 
     step: int
-    data: list[Datum]
+    data: str | None
+    """Storage-relative path of the step's ``Datum`` list; None when no episode is trainable."""
     metrics: dict[str, float] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)
     """A few transcripts for the sample-trajectories artifact."""
@@ -59,6 +58,8 @@ class EvalResult:
     num_episodes: int
     num_failed: int
     seconds: float
+    env_metrics: dict[str, float] = field(default_factory=dict)
+    """Environment-reported means over the held-out episodes (``env/<field>``)."""
 
     def metrics(self, prefix: str = "eval") -> dict[str, float]:
         return {
@@ -66,4 +67,5 @@ class EvalResult:
             f"{prefix}/reward_mean": self.reward_mean,
             f"{prefix}/failed": float(self.num_failed),
             f"{prefix}/seconds": self.seconds,
+            **{f"{prefix}/{k}": v for k, v in self.env_metrics.items()},
         }

@@ -29,6 +29,7 @@ def trained(prefect_api, flowrl_home):
             f"schedule.steps={STEPS}",
             "schedule.eval_every=40",
             "schedule.checkpoint_every=40",
+            "rollout.prompts_per_step=32",
         ],
     )
     return config, rl_train(config)

@@ -229,3 +229,22 @@ def test_ray_actors_sample_update_sync_and_stop(ray_cluster, model_dir, prompts,
     for name in (ref.sampler, ref.trainer):
         with pytest.raises(ValueError):
             ray.get_actor(name, namespace="flowrl")
+
+
+def test_sft_datum_matches_the_agent_loops_token_layout(model_dir):
+    """SFT trains on exactly the tokens the sampler would emit for each assistant turn."""
+    from tasks.model import sft_datum
+
+    tok = load_tokenizer(model_dir)
+    chat = HFChatFormat(tok)
+    messages = [
+        {"role": "user", "content": "2+3*4=?"},
+        {"role": "assistant", "content": '<tool_call>{"expr": "3*4"}</tool_call>'},
+        {"role": "tool", "content": "12"},
+        {"role": "assistant", "content": "14"},
+    ]
+    datum = sft_datum(chat, messages)
+    whole = tok.apply_chat_template(messages, tokenize=True, return_dict=False)
+    assert datum.tokens == list(whole)  # concatenative template: pieces == whole conversation
+    trained = tok.decode([t for t, m in zip(datum.tokens, datum.loss_mask, strict=True) if m])
+    assert trained == '<tool_call>{"expr": "3*4"}</tool_call><|end|>14<|end|>'

@@ -1,0 +1,39 @@
+"""Per-step records in storage: stages hand each other URIs, not the records themselves.
+
+A rollout of a few hundred episodes is tens of thousands of token ids; passed as a task
+argument, Prefect walks every element looking for futures (≈120 ms per step at the default
+size, measured in docs/benchmarks/step_time.md) and the flow process carries it twice. As
+JSON under ``jobs/<name>/steps/<step>/`` it costs a few ms, and a retried stage finds its input.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+
+from agent_loop.types import StopReason, Trajectory
+from backends.types import Datum
+from infra.storage import Storage
+
+
+def step_dir(prefix: str, step: int) -> str:
+    return f"{prefix}/steps/{step:08d}"
+
+
+def save_trajectories(storage: Storage, rel: str, trajectories: list[Trajectory]) -> None:
+    storage.write_bytes(rel, json.dumps([asdict(t) for t in trajectories]).encode())
+
+
+def load_trajectories(storage: Storage, rel: str) -> list[Trajectory]:
+    rows = json.loads(storage.read_bytes(rel))
+    for row in rows:
+        row["stop_reason"] = StopReason(row["stop_reason"]) if row["stop_reason"] else None
+    return [Trajectory(**row) for row in rows]
+
+
+def save_data(storage: Storage, rel: str, data: list[Datum]) -> None:
+    storage.write_bytes(rel, json.dumps([asdict(d) for d in data]).encode())
+
+
+def load_data(storage: Storage, rel: str) -> list[Datum]:
+    return [Datum(**row) for row in json.loads(storage.read_bytes(rel))]
