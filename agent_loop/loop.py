@@ -7,7 +7,10 @@ Each episode goes ``PENDING → GENERATING ⇄ INTERACTING → TERMINATED``:
 - GENERATING: all generating episodes are sampled in ONE ``sampler.sample`` call per round.
   Sampled tokens get mask 1 and the sampler's log-probs. Only this turn's tokens are decoded
   (a trailing stop token stripped) and passed to ``env.step``; the turn reward is recorded.
-- INTERACTING: the observation is rendered with ``chat.encode_turn`` and appended with mask 0.
+- INTERACTING: the observation is rendered with ``chat.encode_turn`` and appended with mask 0,
+  as a message of role ``StepResult.info["observation_role"]`` (``"user"`` when absent; an
+  environment answering a tool call sets ``"tool"``). The key is consumed by the loop: it is
+  not copied into ``Trajectory.info``. Any other role ends the episode with ERROR.
 
 Nothing is ever decoded and re-encoded: the token sequence is exactly what was produced.
 
@@ -39,6 +42,11 @@ from agent_loop.types import (
     Trajectory,
 )
 from environments.types import Environment
+
+OBSERVATION_ROLE_KEY = "observation_role"
+"""``StepResult.info`` key naming the chat role of the observation (see module docstring)."""
+OBSERVATION_ROLES = ("user", "tool")
+"""Roles an environment may give its observation."""
 
 
 @dataclass(frozen=True)
@@ -158,20 +166,27 @@ def _take_turn(
     except Exception as exc:  # any env failure ends only this episode
         _fail(episode, exc)
         return
+    info = dict(step.info)
+    role = info.pop(OBSERVATION_ROLE_KEY, "user")
+    if role not in OBSERVATION_ROLES:
+        _fail(episode, ValueError(f"observation_role must be one of {OBSERVATION_ROLES}: {role!r}"))
+        return
     episode.traj.turn_rewards.append(float(step.reward))
-    episode.env_info = dict(step.info)
+    episode.env_info = info
     if step.done:
         _terminate(episode, StopReason.DONE)
     elif episode.turns >= limits.max_turns:
         _terminate(episode, StopReason.MAX_TURNS)
     else:
-        _interact(episode, step.observation, chat, limits)
+        _interact(episode, step.observation, role, chat, limits)
 
 
-def _interact(episode: _Episode, observation: str, chat: ChatFormat, limits: LoopLimits) -> None:
+def _interact(
+    episode: _Episode, observation: str, role: str, chat: ChatFormat, limits: LoopLimits
+) -> None:
     """INTERACTING: inject the observation (mask 0) if a reply can still fit after it."""
     episode.state = FSMState.INTERACTING
-    message = {"role": "user", "content": observation}
+    message = {"role": role, "content": observation}
     closing = chat.stop_token_ids[:1] if episode.truncated else []
     injected = closing + chat.encode_turn(message)
     if len(episode.traj.tokens) + len(injected) >= limits.max_context_tokens:

@@ -13,8 +13,10 @@ from typing import Any
 
 import ray
 
+from backends.deepspeed_trainer import DeepSpeedTrainer, DeepSpeedZero3Trainer
 from backends.hf_workers import HFSampler, TorchTrainer
 from backends.types import WorkerSpec
+from backends.vllm_sampler import VLLMSampler
 
 NAMESPACE = "flowrl"
 
@@ -24,8 +26,14 @@ _LOCAL_WORKERS: dict[str, Any] = {}
 # not: the creating process keeps one here until stop_policy.
 _OWNED_ACTORS: dict[str, Any] = {}
 
-SAMPLER_BACKENDS: dict[str, type] = {"hf": HFSampler}
-TRAINER_BACKENDS: dict[str, type] = {"torch": TorchTrainer}
+SAMPLER_BACKENDS: dict[str, type] = {"hf": HFSampler, "vllm": VLLMSampler}
+TRAINER_BACKENDS: dict[str, type] = {
+    "torch": TorchTrainer,
+    "deepspeed": DeepSpeedTrainer,  # ZeRO-2
+    "deepspeed_zero3": DeepSpeedZero3Trainer,
+}
+"""Backends by the name ``resources.*_backend`` selects. DeepSpeed and vLLM are imported when
+a worker starts, so only the machines that run them need the packages."""
 
 
 @dataclass(frozen=True)

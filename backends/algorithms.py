@@ -15,7 +15,8 @@ from torch import Tensor
 AdvantageEstimator = Callable[[Tensor, Tensor], Tensor]
 """``(rewards_N, group_ids_N) -> advantages_N``."""
 PolicyLoss = Callable[..., tuple[Tensor, dict[str, float]]]
-"""``(logprobs_B_T, old_logprobs_B_T, advantages_B, mask_B_T, **kw) -> (loss, metrics)``."""
+"""``(logprobs_B_T, old_logprobs_B_T, advantages_B, mask_B_T, *, clip_eps, clip_eps_high,
+loss_agg) -> (loss, metrics)``: every loss takes the same options."""
 _F = TypeVar("_F")
 
 
@@ -76,19 +77,152 @@ def rloo_advantages(rewards_N: Tensor, group_ids_N: Tensor) -> Tensor:
     return (scale_N * (rewards_N.to(torch.float64) - mean_N)).to(rewards_N.dtype)
 
 
+def dr_grpo_advantages(rewards_N: Tensor, group_ids_N: Tensor) -> Tensor:
+    """Dr. GRPO advantages (Liu et al. 2025, "Understanding R1-Zero-Like Training"): ``r - mean_g``.
+
+    GRPO without the division by the group std, which over-weights groups whose rewards barely
+    differ (too easy or too hard prompts). Pair it with ``loss_agg="seq-mean-token-sum"`` to also
+    drop GRPO's per-answer length normalisation, as the paper does.
+
+    Args:
+        rewards_N: float ``[N]``; group_ids_N: int ``[N]`` as in ``grpo_advantages``.
+
+    Returns:
+        float ``[N]``; 0 for a group of one.
+    """
+    return grpo_advantages(rewards_N, group_ids_N, scale_by_std=False)
+
+
+def reinforce_pp_advantages(rewards_N: Tensor, group_ids_N: Tensor, eps: float = 1e-6) -> Tensor:
+    """REINFORCE++ advantages (Hu 2025, arXiv:2501.03262), the "-baseline" variant for groups:
+    ``(r - mean_g) / (std_batch + eps)``.
+
+    The group mean removes the prompt's difficulty; the *global* batch std (of the centred
+    values, unbiased) normalises the scale without GRPO's per-group std, which the paper
+    shows is biased and unstable. For one group this equals GRPO's advantage.
+
+    Args:
+        rewards_N: float ``[N]``; group_ids_N: int ``[N]`` as in ``grpo_advantages``.
+
+    Returns:
+        float ``[N]``; all zeros when every centred reward is 0.
+    """
+    centred_N = grpo_advantages(rewards_N, group_ids_N, scale_by_std=False).to(torch.float64)
+    std = centred_N.std() if centred_N.numel() > 1 else centred_N.new_zeros(())
+    return (centred_N / (std + eps)).to(rewards_N.dtype)
+
+
+# --- loss aggregation and KL ----------------------------------------------------------------
+
+
+def token_mean(values_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
+    """``sum(v * m) / sum(m)`` over the whole batch: every trainable token weighs the same, so
+    long answers weigh more (DAPO, Yu et al. 2025, recommends it). ``[B, T] -> []``."""
+    return (values_B_T * mask_B_T).sum() / mask_B_T.sum().clamp(min=1.0)
+
+
+def seq_mean_token_sum(values_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
+    """Sum over each row's tokens, mean over rows: no length normalisation (Dr. GRPO, Liu et
+    al. 2025). ``[B, T] -> []``."""
+    return (values_B_T * mask_B_T).sum(-1).mean()
+
+
+def seq_mean_token_mean(values_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
+    """Mean over each row's tokens, then over the rows that have any (the original GRPO, Shao
+    et al. 2024; GSPO). ``[B, T] -> []``."""
+    count_B = mask_B_T.sum(-1)
+    row_mean_B = (values_B_T * mask_B_T).sum(-1) / count_B.clamp(min=1.0)
+    has_tokens_B = (count_B > 0).to(values_B_T.dtype)
+    return (row_mean_B * has_tokens_B).sum() / has_tokens_B.sum().clamp(min=1.0)
+
+
+LossAggregation = Callable[[Tensor, Tensor], Tensor]
+"""``(values_B_T, mask_B_T) -> scalar``."""
+LOSS_AGGREGATIONS: dict[str, LossAggregation] = {
+    "token-mean": token_mean,
+    "seq-mean-token-sum": seq_mean_token_sum,
+    "seq-mean-token-mean": seq_mean_token_mean,
+}
+
+
+def kl_k1(logprobs_B_T: Tensor, ref_logprobs_B_T: Tensor) -> Tensor:
+    """``log p - log p_ref``: unbiased per-sample estimate of KL(p || p_ref), can be negative
+    (Schulman 2020, "Approximating KL Divergence"). ``[B, T] -> [B, T]``."""
+    return logprobs_B_T - ref_logprobs_B_T
+
+
+def kl_k2(logprobs_B_T: Tensor, ref_logprobs_B_T: Tensor) -> Tensor:
+    """``0.5 * (log p - log p_ref)^2``: biased, always >= 0, low variance (Schulman 2020)."""
+    return 0.5 * (logprobs_B_T - ref_logprobs_B_T) ** 2
+
+
+def kl_k3(logprobs_B_T: Tensor, ref_logprobs_B_T: Tensor) -> Tensor:
+    """``exp(d) - d - 1`` with ``d = log p_ref - log p``: unbiased and >= 0 (Schulman 2020; the
+    GRPO paper's KL term). ``d`` is clamped to [-20, 20] so one outlier cannot overflow."""
+    d_B_T = (ref_logprobs_B_T - logprobs_B_T).clamp(-20.0, 20.0)
+    return torch.exp(d_B_T) - d_B_T - 1.0
+
+
+KLEstimator = Callable[[Tensor, Tensor], Tensor]
+"""``(logprobs_B_T, ref_logprobs_B_T) -> kl_B_T``."""
+KL_ESTIMATORS: dict[str, KLEstimator] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def kl_penalized_rewards(
+    rewards_N: Tensor,
+    logprobs_N_T: Tensor,
+    ref_logprobs_N_T: Tensor,
+    mask_N_T: Tensor,
+    kl_coef: float,
+    estimator: str = "k1",
+) -> tuple[Tensor, Tensor]:
+    """KL in the reward (InstructGPT, Ouyang et al. 2022): ``r - kl_coef * sum_t kl_t``.
+
+    Args:
+        rewards_N: float ``[N]`` episode returns.
+        logprobs_N_T: float ``[N, T]`` log-probs of the sampled tokens under the sampling policy.
+        ref_logprobs_N_T: float ``[N, T]`` the same tokens under the reference model.
+        mask_N_T: ``[N, T]`` 1 for sampled tokens.
+        kl_coef: weight of the penalty; estimator: a ``KL_ESTIMATORS`` name.
+
+    Returns:
+        ``(penalised_rewards_N, kl_N)`` where ``kl_N`` is each episode's summed estimate.
+    """
+    kl_N_T = _lookup(KL_ESTIMATORS, estimator, "KL estimator")(logprobs_N_T, ref_logprobs_N_T)
+    kl_N = (kl_N_T * mask_N_T.to(kl_N_T.dtype)).sum(-1)
+    return rewards_N - kl_coef * kl_N.to(rewards_N.dtype), kl_N
+
+
+# --- policy losses ----------------------------------------------------------------------------
+
+
+def _loss_metrics(
+    ratio_B_T: Tensor, logprobs_B_T: Tensor, old_B_T: Tensor, clipped_B_T: Tensor, mask_B_T: Tensor
+) -> dict[str, float]:
+    """``clip_fraction``, ``approx_kl`` (mean ``old - logp``) and ``ratio_mean`` over mask-1."""
+    return {
+        "clip_fraction": float(token_mean(clipped_B_T.to(mask_B_T.dtype), mask_B_T)),
+        "approx_kl": float(token_mean((old_B_T - logprobs_B_T).detach(), mask_B_T)),
+        "ratio_mean": float(token_mean(ratio_B_T.detach(), mask_B_T)),
+    }
+
+
 def ppo_clip_loss(
     logprobs_B_T: Tensor,
     old_logprobs_B_T: Tensor,
     advantages_B: Tensor,
     mask_B_T: Tensor,
     clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    loss_agg: str = "token-mean",
 ) -> tuple[Tensor, dict[str, float]]:
-    """Token-level PPO-clip loss (Schulman et al. 2017), averaged over all trainable tokens.
+    """Token-level PPO-clip loss (Schulman et al. 2017) with DAPO's asymmetric clip-higher.
 
     Per token: ``ratio = exp(logp - old_logp)`` and
-    ``loss_t = -min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps) * A)`` with the episode's
-    advantage ``A`` broadcast over its tokens. Aggregation is "token-mean": the sum over tokens
-    with ``mask == 1`` divided by their count in the whole batch (long answers weigh more).
+    ``loss_t = -min(ratio * A, clip(ratio, 1 - clip_eps, 1 + clip_eps_high) * A)`` with the
+    episode's advantage ``A`` broadcast over its tokens. ``clip_eps_high > clip_eps`` ("clip
+    higher", Yu et al. 2025, DAPO: 0.2 / 0.28) lets unlikely tokens with ``A > 0`` grow further,
+    which keeps entropy from collapsing; ``None`` means symmetric.
 
     Args:
         logprobs_B_T: float ``[B, T]`` log-probs of the taken tokens under the current policy
@@ -96,7 +230,9 @@ def ppo_clip_loss(
         old_logprobs_B_T: float ``[B, T]`` log-probs under the sampling policy (no gradient).
         advantages_B: float ``[B]`` one advantage per row.
         mask_B_T: ``[B, T]`` 1 for sampled tokens, 0 for prompt, injected and padding tokens.
-        clip_eps: half-width of the trust region on the ratio.
+        clip_eps: lower half-width of the trust region on the ratio.
+        clip_eps_high: upper half-width (``None``: ``clip_eps``).
+        loss_agg: a ``LOSS_AGGREGATIONS`` name; "token-mean" divides by the batch's token count.
 
     Returns:
         ``(loss, metrics)``: a scalar tensor, and floats ``clip_fraction`` (share of trainable
@@ -104,25 +240,84 @@ def ppo_clip_loss(
         ``approx_kl`` (mean of ``old_logp - logp``) and ``ratio_mean``, all over mask-1 tokens.
         With no trainable token the loss is a zero that still backpropagates.
     """
+    high = clip_eps if clip_eps_high is None else clip_eps_high
     mask_B_T = mask_B_T.to(logprobs_B_T.dtype)
     old_logprobs_B_T = old_logprobs_B_T.detach()
     advantages_B_1 = advantages_B.detach().to(logprobs_B_T.dtype).unsqueeze(-1)
     ratio_B_T = torch.exp(logprobs_B_T - old_logprobs_B_T)
     unclipped_B_T = ratio_B_T * advantages_B_1
-    clipped_B_T = torch.clamp(ratio_B_T, 1.0 - clip_eps, 1.0 + clip_eps) * advantages_B_1
+    clipped_B_T = torch.clamp(ratio_B_T, 1.0 - clip_eps, 1.0 + high) * advantages_B_1
     loss_B_T = -torch.minimum(unclipped_B_T, clipped_B_T)
-    num_tokens = mask_B_T.sum().clamp(min=1.0)
-    loss = (loss_B_T * mask_B_T).sum() / num_tokens
+    loss = _lookup(LOSS_AGGREGATIONS, loss_agg, "loss aggregation")(loss_B_T, mask_B_T)
+    cut_B_T = clipped_B_T.detach() < unclipped_B_T.detach()
+    return loss, _loss_metrics(ratio_B_T, logprobs_B_T, old_logprobs_B_T, cut_B_T, mask_B_T)
 
-    def masked_mean(values_B_T: Tensor) -> float:
-        return float((values_B_T.detach() * mask_B_T).sum() / num_tokens)
 
-    metrics = {
-        "clip_fraction": masked_mean((clipped_B_T < unclipped_B_T).to(mask_B_T.dtype)),
-        "approx_kl": masked_mean(old_logprobs_B_T - logprobs_B_T),
-        "ratio_mean": masked_mean(ratio_B_T),
-    }
-    return loss, metrics
+def cispo_loss(
+    logprobs_B_T: Tensor,
+    old_logprobs_B_T: Tensor,
+    advantages_B: Tensor,
+    mask_B_T: Tensor,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    loss_agg: str = "token-mean",
+) -> tuple[Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, 2025): REINFORCE with a truncated, detached importance weight.
+
+    ``loss_t = -sg(min(ratio, 1 + clip_eps_high)) * A * logp``. Unlike PPO-clip no token's
+    gradient is ever dropped: a clipped token still gets the (capped) weight, so rare
+    "fork" tokens keep learning. The weight is truncated importance sampling (Ionides 2008;
+    Yao et al. 2025 use the same cap for sampler/trainer mismatch). ``clip_eps`` is unused
+    (no lower bound, as in the paper); it is accepted so every loss takes the same options.
+
+    Args/Returns: as ``ppo_clip_loss``; ``clip_fraction`` is the share of capped tokens.
+    """
+    del clip_eps
+    high = 0.2 if clip_eps_high is None else clip_eps_high
+    mask_B_T = mask_B_T.to(logprobs_B_T.dtype)
+    old_logprobs_B_T = old_logprobs_B_T.detach()
+    advantages_B_1 = advantages_B.detach().to(logprobs_B_T.dtype).unsqueeze(-1)
+    ratio_B_T = torch.exp(logprobs_B_T.detach() - old_logprobs_B_T)
+    weight_B_T = ratio_B_T.clamp(max=1.0 + high)
+    loss_B_T = -weight_B_T * advantages_B_1 * logprobs_B_T
+    loss = _lookup(LOSS_AGGREGATIONS, loss_agg, "loss aggregation")(loss_B_T, mask_B_T)
+    capped_B_T = ratio_B_T > 1.0 + high
+    return loss, _loss_metrics(ratio_B_T, logprobs_B_T, old_logprobs_B_T, capped_B_T, mask_B_T)
+
+
+def gspo_loss(
+    logprobs_B_T: Tensor,
+    old_logprobs_B_T: Tensor,
+    advantages_B: Tensor,
+    mask_B_T: Tensor,
+    clip_eps: float = 3e-4,
+    clip_eps_high: float | None = 4e-4,
+    loss_agg: str = "seq-mean-token-mean",
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): PPO-clip on a
+    sequence-level ratio ``s_b = exp(mean_t (logp - old_logp))`` over the row's mask-1 tokens.
+
+    Implemented as GSPO-token: ``s_b,t = sg(s_b) * exp(logp_t - sg(logp_t))`` has the value of
+    ``s_b`` and, with one advantage per row and ``seq-mean-token-mean``, exactly GSPO's
+    gradient. ``loss_t = -min(s * A, clip(s, 1 - clip_eps, 1 + clip_eps_high) * A)``. The
+    paper's clip range is tiny (3e-4 / 4e-4): a sequence ratio moves far less than a token's.
+
+    Args/Returns: as ``ppo_clip_loss``; the ratio metrics are of the sequence ratio.
+    """
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    mask_B_T = mask_B_T.to(logprobs_B_T.dtype)
+    old_logprobs_B_T = old_logprobs_B_T.detach()
+    advantages_B_1 = advantages_B.detach().to(logprobs_B_T.dtype).unsqueeze(-1)
+    count_B = mask_B_T.sum(-1).clamp(min=1.0)
+    log_seq_ratio_B = ((logprobs_B_T - old_logprobs_B_T) * mask_B_T).sum(-1) / count_B
+    log_ratio_B_T = log_seq_ratio_B.detach().unsqueeze(-1) + logprobs_B_T - logprobs_B_T.detach()
+    ratio_B_T = torch.exp(log_ratio_B_T)
+    unclipped_B_T = ratio_B_T * advantages_B_1
+    clipped_B_T = torch.clamp(ratio_B_T, 1.0 - clip_eps, 1.0 + high) * advantages_B_1
+    loss_B_T = -torch.minimum(unclipped_B_T, clipped_B_T)
+    loss = _lookup(LOSS_AGGREGATIONS, loss_agg, "loss aggregation")(loss_B_T, mask_B_T)
+    cut_B_T = clipped_B_T.detach() < unclipped_B_T.detach()
+    return loss, _loss_metrics(ratio_B_T, logprobs_B_T, old_logprobs_B_T, cut_B_T, mask_B_T)
 
 
 def token_logprobs(logits_B_T_V: Tensor, targets_B_T: Tensor) -> Tensor:
@@ -144,10 +339,14 @@ def token_logprobs(logits_B_T_V: Tensor, targets_B_T: Tensor) -> Tensor:
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageEstimator] = {
     "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
     "rloo": rloo_advantages,
+    "reinforce_pp": reinforce_pp_advantages,
 }
 POLICY_LOSSES: dict[str, PolicyLoss] = {
     "ppo_clip": ppo_clip_loss,
+    "cispo": cispo_loss,
+    "gspo": gspo_loss,
 }
 
 

@@ -18,7 +18,12 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from agent_loop.types import SampleResult
-from backends.algorithms import get_policy_loss, token_logprobs
+from backends.algorithms import (
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    get_policy_loss,
+    token_logprobs,
+)
 from backends.models import load_causal_lm, load_tokenizer, resolve_model_uri
 from backends.types import Datum, WorkerSpec
 from infra.storage import Storage, commit_checkpoint, latest_checkpoint, load_checkpoint
@@ -145,6 +150,7 @@ class TorchTrainer:
         self.device = _device(spec)
         self.optimizer = self._new_optimizer()
         self.version = 0
+        self._reference: torch.nn.Module | None = None  # full-parameter KL only
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -194,7 +200,13 @@ class TorchTrainer:
         ``"cross_entropy"`` is SFT (mean NLL over mask-1 tokens); any other name is a policy
         loss from ``backends.algorithms.POLICY_LOSSES``, evaluated at the sampling
         ``temperature`` so that the ratio to the sampler's log-probs starts at 1.
+        ``loss_config`` holds the loss's options (``clip_eps``, ``clip_eps_high``, ``loss_agg``)
+        and optionally ``kl_coef`` / ``kl_estimator``: with ``kl_coef > 0`` the loss gains
+        ``kl_coef * agg(kl(logp, ref_logp))`` against the reference model.
         """
+        options = dict(loss_config or {})
+        kl_coef = float(options.pop("kl_coef", 0.0))
+        kl_estimator = options.pop("kl_estimator", "k3")
         b = self._batch(data)
         logprobs_B_T = self._logprobs(b, temperature)
         if loss_fn == "cross_entropy":
@@ -203,10 +215,47 @@ class TorchTrainer:
         else:
             policy_loss = get_policy_loss(loss_fn)
             loss, metrics = policy_loss(
-                logprobs_B_T, b["old"], b["advantages"], b["mask"], **(loss_config or {})
+                logprobs_B_T, b["old"], b["advantages"], b["mask"], **options
             )
-        loss.backward()
+        if kl_coef > 0:
+            ref_B_T = self._reference_logprobs(b, temperature)
+            kl_B_T = KL_ESTIMATORS[kl_estimator](logprobs_B_T, ref_B_T)
+            aggregate = LOSS_AGGREGATIONS[options.get("loss_agg", "token-mean")]
+            kl = aggregate(kl_B_T, b["mask"])
+            loss = loss + kl_coef * kl
+            metrics["kl_ref"] = float(kl.detach())
+        self._backward(loss)
         return {"loss": float(loss.detach()), **metrics}
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` (the DeepSpeed trainer routes it through its engine)."""
+        loss.backward()
+
+    @torch.no_grad()
+    def _reference_logprobs(
+        self, b: dict[str, torch.Tensor], temperature: float = 1.0
+    ) -> torch.Tensor:
+        """Log-probs under the reference policy: with LoRA the base model with the adapter
+        disabled (no second copy); full-parameter, a frozen copy of the starting weights,
+        loaded on first use (only jobs with a KL term pay for it)."""
+        if self.spec.lora.enabled:
+            with self.model.disable_adapter():
+                return self._logprobs(b, temperature)
+        if self._reference is None:
+            reference = load_causal_lm(self.model_path).to(self.device).eval()
+            self._reference = reference.requires_grad_(False)
+        logits = self._reference(input_ids=b["ids"], attention_mask=b["attention"]).logits
+        return token_logprobs(logits[:, :-1].float() / temperature, b["ids"][:, 1:])
+
+    @torch.no_grad()
+    def compute_ref_logprobs(
+        self, data: list[Datum], temperature: float = 1.0
+    ) -> list[list[float]]:
+        """Reference log-probability of every token given its prefix (first token: 0.0), for
+        a KL penalty in the reward."""
+        b = self._batch(data)
+        ref_B_T = self._reference_logprobs(b, temperature)
+        return [[0.0] + ref_B_T[i, : len(d.tokens) - 1].tolist() for i, d in enumerate(data)]
 
     def optim_step(self) -> dict[str, float]:
         """Clip gradients, take one AdamW step, bump the weights version."""

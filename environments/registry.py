@@ -7,9 +7,13 @@ from typing import Any
 from pydantic import BaseModel
 
 from environments.arithmetic import ArithmeticTask
+from environments.gomoku import GomokuTask
+from environments.tool_math import ToolMathTask
 
 ENVIRONMENTS: dict[str, type[BaseModel]] = {
     "arithmetic": ArithmeticTask,
+    "tool_math": ToolMathTask,
+    "gomoku": GomokuTask,
 }
 """Name → task-config class; a task config offers ``make_env``, ``train_source``, ``eval_set``."""
 

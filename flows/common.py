@@ -60,21 +60,22 @@ class JobRun:
         self._last_tick = time.perf_counter()
         self._progress_id: Any = None
         self._bar: tqdm | None = None
-        self._policy: PolicyRef | None = None
+        self._policies: list[PolicyRef] = []
 
     def __enter__(self) -> JobRun:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         """Release the workers; a failed job leaves its MLflow run marked FAILED (resumable)."""
-        if self._policy is not None:
-            stop_policy(self._policy)
+        for policy in self._policies:
+            stop_policy(policy)
         if self._bar is not None:
             self._bar.close()
         if exc_type is not None:
             tracking.end_run(self.run_id, status="FAILED")
 
-    def start_policy(self, model_uri: str) -> PolicyRef:
+    def start_policy(self, model_uri: str, name: str | None = None) -> PolicyRef:
+        """Start a policy's workers (named ``name``, default the run name); stopped on exit."""
         c = self.config
         spec = WorkerSpec(
             model_uri=model_uri,
@@ -85,15 +86,17 @@ class JobRun:
             seed=c.seed,
             torch_threads=c.resources.torch_threads,
         )
-        gpus = c.resources.gpus_per_worker
-        self._policy = start_policy(
-            self.ctx.run_name,
+        # The job's GPU slots are split between its sampler and trainer unless set per worker.
+        gpus = c.resources.gpus_per_worker or c.resources.gpus / 2
+        policy = start_policy(
+            name or self.ctx.run_name,
             spec,
             ActorResources(num_cpus=1, num_gpus=gpus),
             c.resources.sampler_backend,
             c.resources.trainer_backend,
         )
-        return self._policy
+        self._policies.append(policy)
+        return policy
 
     def resume_point(self, meta: dict[str, Any] | None) -> tuple[int, dict | None, float | None]:
         """(first step to run, data cursor, accuracy at the start of RL) from a checkpoint."""
@@ -128,10 +131,14 @@ class JobRun:
         self.log(metrics, step + 1)
         if step % 10 == 0 and scored.samples:
             tracking.log_json(self.run_id, scored.samples, f"samples/step-{step + 1:05d}.json")
+        self.advance(step, reward=scored.metrics.get("reward/mean", 0.0))
+
+    def advance(self, step: int, **postfix: float) -> None:
+        """Mark ``step`` done: progress bar, Prefect progress artifact (every 10 steps)."""
         self.done_steps = step + 1
         if self._bar is not None:
             self._bar.update(1)
-            self._bar.set_postfix(reward=f"{scored.metrics.get('reward/mean', 0):.2f}")
+            self._bar.set_postfix({k: f"{v:.2f}" for k, v in postfix.items()})
         total = self.config.schedule.steps
         if (step + 1) % 10 == 0 or step + 1 == total:  # each update is an API round trip
             update_progress_artifact(self._progress_id, progress=100.0 * (step + 1) / total)

@@ -14,6 +14,7 @@ from prefect import flow, get_run_logger
 
 from flows.common import JobRun, task_runner
 from infra.config import RLJobConfig
+from infra.scheduler import gpu_slots
 from tasks.model import prepare_model, register, warmup
 from tasks.rl import checkpoint, evaluate, restore, rollout, score, update
 
@@ -38,7 +39,8 @@ class RLResult:
 @flow(name="rl-train", task_runner=task_runner(), log_prints=True)
 def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
     logger = get_run_logger()
-    with JobRun(config) as job:
+    # The job holds its GPU slots from before its workers start until they are released.
+    with gpu_slots(config.resources.gpus), JobRun(config) as job:
         # Every stage is submitted to the task runner: each runs as a Ray task on the cluster.
         base_uri = prepare_model.submit(config, job.ctx).result()
         warm = warmup.submit(config, job.ctx, base_uri).result()
@@ -48,8 +50,9 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
         resumed = restore.submit(job.ctx, policy).result()
         start, cursor, acc_start = job.resume_point(resumed)
         if acc_start is None:
-            acc_start = evaluate.submit(config, job.ctx, model_uri, policy).result().accuracy
-            job.log({"eval/accuracy": acc_start}, step=0)
+            start_eval = evaluate.submit(config, job.ctx, model_uri, policy).result()
+            acc_start = start_eval.accuracy
+            job.log(start_eval.metrics(), step=0)
         for step in job.steps(start):
             batch = rollout.submit(config, job.ctx, model_uri, policy, step, cursor).result()
             scored = score.submit(config, job.ctx, batch).result()

@@ -1,9 +1,13 @@
 """The ``flowrl`` command line.
 
     flowrl train [CONFIG.yaml] [--set key=value ...] [--verbose]
+    flowrl config [CONFIG.yaml] [--set key=value ...]
+    flowrl infra up [--no-deployments]          # pool, queues, gpu limit, deployments
+    flowrl stack up|down|status|env [--gpus N]  # local Prefect/worker/Ray/MLflow/S3
+    flowrl jobs submit|status|list|cancel|wait|metrics|result ...
 
-Validates the config before anything starts (a bad field fails at once, naming the field),
-then runs the ``rl-train`` flow in this process and prints the result.
+``train`` validates the config before anything starts (a bad field fails at once, naming the
+field), then runs the ``rl-train`` flow in this process and prints the result.
 """
 
 from __future__ import annotations
@@ -27,18 +31,59 @@ def _parser() -> argparse.ArgumentParser:
         help="Override a config field, e.g. --set schedule.steps=50 (repeatable).",
     )
     train.add_argument("--verbose", action="store_true", help="Show Prefect's INFO logs.")
+    for name, text in (("selfplay", "the self-play flow"), ("sft", "the sft-train flow")):
+        job = sub.add_parser(name, help=f"Run a job of {text}.")
+        job.add_argument("config", nargs="?", help="YAML job config; omitted = defaults.")
+        job.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+        job.add_argument("--verbose", action="store_true", help="Show Prefect's INFO logs.")
     show = sub.add_parser("config", help="Print the validated config (defaults filled in).")
     show.add_argument("config", nargs="?")
     show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    _add_infra_commands(sub)
     return parser
+
+
+def _add_infra_commands(sub) -> None:
+    infra = sub.add_parser("infra", help="Apply the scheduler declaration and deployments.")
+    infra.add_argument("action", choices=["up"])
+    infra.add_argument("--no-deployments", action="store_true", help="Only pool/queues/limit.")
+    stack = sub.add_parser("stack", help="The local stack (Prefect, worker, Ray, MLflow, S3).")
+    stack.add_argument("action", choices=["up", "down", "status", "env"])
+    stack.add_argument("--gpus", type=int, default=None, help="GPUs of the pool (default: yaml).")
+    stack.add_argument("--no-ray", action="store_true", help="Do not start a Ray head.")
+    stack.add_argument("--no-deployments", action="store_true")
+    jobs = sub.add_parser("jobs", help="Submit and follow jobs on the Prefect API.")
+    jsub = jobs.add_subparsers(dest="action", required=True)
+    submit = jsub.add_parser("submit", help="Submit a job to a deployment; prints its id.")
+    submit.add_argument("deployment", help="Deployment name, e.g. rl-train or gpu-probe.")
+    submit.add_argument("config", nargs="?", help="YAML job config (the `config` parameter).")
+    submit.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    submit.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="Other flow parameter (YAML value), e.g. --param seconds=2.",
+    )
+    submit.add_argument("--queue", help="Work queue (default: the deployment's).")
+    for verb in ("status", "cancel", "metrics", "result"):
+        jsub.add_parser(verb).add_argument("run_id")
+    wait = jsub.add_parser("wait")
+    wait.add_argument("run_id")
+    wait.add_argument("--timeout", type=float, default=3600)
+    jsub.add_parser("list").add_argument("--limit", type=int, default=20)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from infra.config import ConfigError, load_config
+    if args.command in ("infra", "stack", "jobs"):
+        return _ops(args)
+    from infra.config import ConfigError, SelfPlayJobConfig, load_config
+    from infra.sft_config import SFTJobConfig
 
+    kinds = {"selfplay": SelfPlayJobConfig, "sft": SFTJobConfig}
     try:
-        config = load_config(args.config, args.overrides)
+        config = load_config(args.config, args.overrides, kinds.get(args.command))
     except ConfigError as err:
         print(f"flowrl: {err}", file=sys.stderr)
         return 2
@@ -47,17 +92,32 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(config.model_dump(), sort_keys=False))
         return 0
-    return _train(config, verbose=args.verbose)
+    _prepare(verbose=args.verbose)
+    if args.command == "selfplay":
+        from flows.selfplay import self_play
+
+        print(f"\n{self_play(config)}")
+        return 0
+    if args.command == "sft":
+        from flows.sft import sft_train
+
+        print(f"\n{sft_train(config)}")
+        return 0
+    return _train(config)
 
 
-def _train(config, verbose: bool) -> int:
+def _prepare(verbose: bool) -> None:
     if not verbose:
         # Keep the terminal for the progress bar; the logs still reach the Prefect API.
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     from infra.settings import get_settings
 
     get_settings().apply_to_environment()
+
+
+def _train(config) -> int:
     from flows.rl import rl_train
+    from infra.settings import get_settings
 
     result = rl_train(config)
     print()
@@ -67,6 +127,108 @@ def _train(config, verbose: bool) -> int:
     print(f"MLflow run                           : {result.mlflow_run_id}")
     print(f"MLflow tracking URI                  : {get_settings().tracking_uri}")
     return 0
+
+
+def _ops(args) -> int:
+    from infra.scheduler import AdmissionError
+
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    try:
+        if args.command == "stack":
+            return _stack(args)
+        from infra.stack import apply_stack_env
+
+        apply_stack_env()  # a running local stack is the default target
+        from infra.settings import get_settings
+
+        get_settings().apply_to_environment()
+        if args.command == "infra":
+            return _infra_up(args.no_deployments)
+        return _jobs(args)
+    except AdmissionError as err:
+        print(f"flowrl: refused: {err}", file=sys.stderr)
+        return 2
+
+
+def _infra_up(no_deployments: bool) -> int:
+    import asyncio
+
+    from infra.scheduler import apply_scheduler, load_scheduler
+
+    spec = load_scheduler()
+    for line in asyncio.run(apply_scheduler(spec)):
+        print(line)
+    if not no_deployments:
+        from infra.deployments import apply_deployments
+
+        for line in apply_deployments(spec):
+            print(line)
+    return 0
+
+
+def _stack(args) -> int:
+    import json
+
+    from infra import stack
+
+    if args.action == "up":
+        state = stack.stack_up(gpus=args.gpus, deploy=not args.no_deployments, ray=not args.no_ray)
+    elif args.action == "down":
+        print("stopped:", ", ".join(stack.stack_down()) or "nothing")
+        return 0
+    else:
+        state = stack.StackState.load(stack.state_file())
+        if state is None:
+            print("no local stack (flowrl stack up)", file=sys.stderr)
+            return 1
+    if args.action == "env":
+        for key, value in state.env.items():
+            print(f"export {key}={value}")
+        return 0
+    print(json.dumps({k: v.__dict__ for k, v in state.components.items()}, indent=2))
+    return 0
+
+
+def _submit_parameters(args) -> dict:
+    import yaml
+
+    from infra.config import _merge, parse_overrides
+
+    params = {k: v for k, v in (p.partition("=")[::2] for p in args.param)}
+    params = {k: yaml.safe_load(v) for k, v in params.items()}
+    if args.config or args.overrides:
+        config = yaml.safe_load(open(args.config).read()) if args.config else {}
+        params["config"] = _merge(config or {}, parse_overrides(args.overrides))
+    return params
+
+
+def _jobs(args) -> int:
+    from infra.client import JobClient
+
+    jobs = JobClient()
+    if args.action == "submit":
+        print(jobs.submit(args.deployment, _submit_parameters(args), queue=args.queue))
+        return 0
+    if args.action == "list":
+        for j in jobs.list(limit=args.limit):
+            print(f"{j.id}  {j.state:<10} {j.queue or '-':<10} {j.deployment or '-':<16} {j.name}")
+        return 0
+    if args.action == "metrics":
+        for key, value in sorted(jobs.metrics(args.run_id).items()):
+            print(f"{key:<32} {value:.4f}")
+        return 0
+    if args.action == "result":
+        result = jobs.result(args.run_id)
+        print(result if result is not None else "no result (yet)")
+        return 0 if result is not None else 1
+    if args.action == "wait":
+        status = jobs.wait(args.run_id, timeout=args.timeout)
+    elif args.action == "cancel":
+        status = jobs.cancel(args.run_id)
+    else:
+        status = jobs.status(args.run_id)
+    print(f"{status.id}  {status.state}  {status.message or ''}")
+    return 0 if status.state != "FAILED" else 1
 
 
 if __name__ == "__main__":

@@ -12,7 +12,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from backends.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from backends.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    POLICY_LOSSES,
+)
 from backends.models import TinyModelSpec
 from backends.types import LoraSettings
 from environments.registry import ENVIRONMENTS, make_task
@@ -27,12 +32,23 @@ class EnvSection(_Section):
     params: dict[str, Any] = Field(
         default_factory=dict, description="Parameters of the environment's task config."
     )
+    mode: Literal["local", "ray", "http"] = Field(
+        default="local",
+        description="Where episodes run: in the rollout task, in a pool of Ray actors, or "
+        "behind the HTTP environment service (python -m environments.service).",
+    )
+    service_url: str | None = Field(
+        default=None, description="Base URL of the environment service (mode http)."
+    )
+    ray_actors: int = Field(default=2, ge=1, le=1024, description="Actors in the pool (mode ray).")
 
     @model_validator(mode="after")
     def _check_params(self) -> EnvSection:
         if self.name not in ENVIRONMENTS:
             raise ValueError(f"unknown environment {self.name!r}; known: {sorted(ENVIRONMENTS)}")
         make_task(self.name, self.params)  # raises with the bad parameter named
+        if self.mode == "http" and not self.service_url:
+            raise ValueError("env.mode 'http' needs env.service_url")
         return self
 
     def task(self) -> Any:
@@ -61,27 +77,77 @@ class WarmupSection(_Section):
 
 
 class AlgorithmSection(_Section):
-    advantage: str = Field(default="grpo", description="Advantage estimator name.")
-    loss: str = Field(default="ppo_clip", description="Policy loss name.")
-    clip_eps: float = Field(default=0.2, gt=0, lt=1, description="PPO clip range.")
+    """The RL math, all chosen by name (``backends/algorithms.py``): switching algorithm is a
+    config change only. Dr. GRPO = ``advantage: dr_grpo`` + ``loss_agg: seq-mean-token-sum``;
+    DAPO's clip-higher = ``clip_eps: 0.2`` + ``clip_eps_high: 0.28``; GSPO's paper uses
+    ``clip_eps: 3.0e-4`` + ``clip_eps_high: 4.0e-4`` + ``loss_agg: seq-mean-token-mean``."""
+
+    advantage: str = Field(
+        default="grpo", description="Advantage estimator name: grpo, dr_grpo, rloo, reinforce_pp."
+    )
+    loss: str = Field(default="ppo_clip", description="Policy loss name: ppo_clip, cispo, gspo.")
+    clip_eps: float = Field(
+        default=0.2, gt=0, lt=1, description="Clip range below 1 (and above, unless clip_eps_high)."
+    )
+    clip_eps_high: float | None = Field(
+        default=None,
+        gt=0,
+        description="Clip range above 1 (DAPO clip-higher; CISPO's weight cap); unset = clip_eps.",
+    )
+    loss_agg: str = Field(
+        default="token-mean",
+        description="Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean.",
+    )
+    kl_coef: float = Field(
+        default=0.0,
+        ge=0,
+        description="Weight of the KL to the reference (LoRA: adapter off; full: a frozen copy); "
+        "0 = no reference.",
+    )
+    kl_estimator: str = Field(default="k3", description="KL estimator: k1, k2, k3 (Schulman).")
+    kl_in: Literal["loss", "reward"] = Field(
+        default="loss", description="Where the KL goes: a loss term, or a penalty on the reward."
+    )
     learning_rate: float = Field(default=3e-4, gt=0, le=1, description="RL AdamW learning rate.")
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
 
     @field_validator("advantage")
     @classmethod
     def _known_advantage(cls, v: str) -> str:
-        if v not in ADVANTAGE_ESTIMATORS:
-            raise ValueError(
-                f"unknown advantage estimator {v!r}; known: {sorted(ADVANTAGE_ESTIMATORS)}"
-            )
-        return v
+        return _known(v, ADVANTAGE_ESTIMATORS, "advantage estimator")
 
     @field_validator("loss")
     @classmethod
     def _known_loss(cls, v: str) -> str:
-        if v not in POLICY_LOSSES:
-            raise ValueError(f"unknown policy loss {v!r}; known: {sorted(POLICY_LOSSES)}")
-        return v
+        return _known(v, POLICY_LOSSES, "policy loss")
+
+    @field_validator("loss_agg")
+    @classmethod
+    def _known_agg(cls, v: str) -> str:
+        return _known(v, LOSS_AGGREGATIONS, "loss aggregation")
+
+    @field_validator("kl_estimator")
+    @classmethod
+    def _known_kl(cls, v: str) -> str:
+        return _known(v, KL_ESTIMATORS, "KL estimator")
+
+    def loss_config(self) -> dict[str, Any]:
+        """The options ``TorchTrainer.forward_backward`` passes to the loss (KL in the loss
+        only when ``kl_in == "loss"``)."""
+        kl_coef = self.kl_coef if self.kl_in == "loss" else 0.0
+        return {
+            "clip_eps": self.clip_eps,
+            "clip_eps_high": self.clip_eps_high,
+            "loss_agg": self.loss_agg,
+            "kl_coef": kl_coef,
+            "kl_estimator": self.kl_estimator,
+        }
+
+
+def _known(name: str, registry: dict[str, Any], kind: str) -> str:
+    if name not in registry:
+        raise ValueError(f"unknown {kind} {name!r}; known: {sorted(registry)}")
+    return name
 
 
 class RolloutSection(_Section):
@@ -101,12 +167,22 @@ class ScheduleSection(_Section):
 
 
 class ResourcesSection(_Section):
-    sampler_backend: Literal["hf"] = Field(default="hf", description="Sampler backend.")
-    trainer_backend: Literal["torch"] = Field(default="torch", description="Trainer backend.")
+    sampler_backend: Literal["hf", "vllm"] = Field(
+        default="hf", description="Sampler backend: hf (generate), vllm (GPU)."
+    )
+    trainer_backend: Literal["torch", "deepspeed", "deepspeed_zero3"] = Field(
+        default="torch", description="Trainer backend: torch, deepspeed (ZeRO-2), deepspeed_zero3."
+    )
     gpus_per_worker: float = Field(
         default=0, ge=0, description="GPUs each of the sampler and trainer actors asks Ray for."
     )
     torch_threads: int = Field(default=1, ge=1, le=256, description="torch threads per worker.")
+    gpus: int = Field(
+        default=0,
+        ge=0,
+        description="GPU slots the job holds for its whole run (scheduler's `gpu` limit); "
+        "0 = CPU job.",
+    )
 
 
 class RLJobConfig(_Section):
@@ -176,8 +252,13 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | Path | None, overrides: list[str] | None = None) -> RLJobConfig:
-    """Read a YAML job config (or the embedded defaults when ``path`` is None), apply overrides."""
+def load_config(
+    path: str | Path | None,
+    overrides: list[str] | None = None,
+    kind: type[BaseModel] | None = None,
+) -> Any:
+    """Read a YAML job config (or the embedded defaults when ``path`` is None), apply overrides,
+    validate as ``kind`` (default ``RLJobConfig``; e.g. ``SelfPlayJobConfig``)."""
     data: dict[str, Any] = {}
     if path is not None:
         p = Path(path)
@@ -188,11 +269,46 @@ def load_config(path: str | Path | None, overrides: list[str] | None = None) -> 
             raise ConfigError(f"{p}: expected a mapping at the top level")
         data = loaded
     data = _merge(data, parse_overrides(overrides or []))
-    return validate_config(data)
+    return validate_config(data, kind)
 
 
-def validate_config(data: dict[str, Any]) -> RLJobConfig:
+def validate_config(data: dict[str, Any], kind: type[BaseModel] | None = None) -> Any:
     try:
-        return RLJobConfig.model_validate(data)
+        return (kind or RLJobConfig).model_validate(data)
     except ValidationError as err:
         raise ConfigError(_format_errors(err)) from None
+
+
+def _tic_tac_toe() -> EnvSection:
+    return EnvSection(
+        name="gomoku",
+        params={"size": 3, "win_length": 3, "move_format": "cell", "max_policy_turns": 9},
+    )
+
+
+class SelfPlayJobConfig(RLJobConfig):
+    """Two agents play two-player Gomoku against each other; each learns (or one shared
+    policy plays both sides). Every RL field keeps its meaning, applied per trained policy."""
+
+    name: str = Field(
+        default="gomoku-selfplay",
+        pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
+        description="Job name: storage prefix, MLflow run name.",
+    )
+    env: EnvSection = Field(default_factory=_tic_tac_toe, description="A gomoku environment.")
+    shared_policy: bool = Field(
+        default=False,
+        description="One policy plays both sides (self-play) instead of one policy per agent.",
+    )
+
+    @property
+    def agents(self) -> tuple[str, ...]:
+        return ("X", "O")
+
+    @model_validator(mode="after")
+    def _gomoku_only(self) -> SelfPlayJobConfig:
+        if self.env.name != "gomoku":
+            raise ValueError(f"self-play needs env.name 'gomoku', got {self.env.name!r}")
+        if self.env.mode != "local":
+            raise ValueError("self-play runs its games in the rollout task (env.mode 'local')")
+        return self

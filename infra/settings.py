@@ -52,6 +52,17 @@ class Settings(BaseSettings):
         "e.g. s3://bucket/x); unset = <home>/storage.",
     )
 
+    scheduler_file: Path | None = Field(
+        default=None,
+        description="YAML declaration of the work pool, queues and GPU limit; "
+        "unset = infra/scheduler.yaml.",
+    )
+    pool_gpus: int | None = Field(
+        default=None,
+        ge=0,
+        description="GPUs in the work pool (slots of the `gpu` limit); unset = the declaration's.",
+    )
+
     @cached_property
     def resolved_home(self) -> Path:
         return self.home.expanduser().resolve()
@@ -77,6 +88,8 @@ class Settings(BaseSettings):
             os.environ["PREFECT_API_URL"] = self.prefect_api_url
         os.environ["MLFLOW_TRACKING_URI"] = self.tracking_uri
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        # The ephemeral API's first start migrates its database: ~15 s alone, more on a busy box.
+        os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -84,7 +84,8 @@ def log_reward_curve(run_id: str, metric_names: list[str], artifact_file: str) -
             ax.plot([m.step for m in history], [m.value for m in history], label=name)
     ax.set_xlabel("RL step")
     ax.set_ylabel("value")
-    ax.legend()
+    if ax.lines:
+        ax.legend()
     ax.grid(alpha=0.3)
     c.log_figure(run_id, fig, artifact_file)
     plt.close(fig)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -11,6 +12,7 @@ from agent_loop.loop import LoopLimits, run_episodes
 from agent_loop.types import SampleResult, Trajectory
 from backends.actors import PolicyRef, sampler
 from backends.models import HFChatFormat, load_tokenizer, resolve_model_uri
+from environments.types import Environment
 from tasks.types import EvalResult
 
 
@@ -53,7 +55,7 @@ class SeededSampler:
 
 
 def run_group_episodes(
-    task_cfg: Any,
+    envs_from: Any,
     rows: list[dict[str, Any]],
     group_size: int,
     policy: PolicyRef,
@@ -62,14 +64,24 @@ def run_group_episodes(
     seed: int,
     id_prefix: str,
 ) -> list[Trajectory]:
-    """Run ``group_size`` episodes per row (one group per row), batched through the sampler."""
+    """Run ``group_size`` episodes per row (one group per row), batched through the sampler.
+
+    ``envs_from`` is a task config (in-process environments from its ``make_env()``) or a
+    factory ``make_env(episode_id)`` such as ``environments.remote.EnvFactory``.
+    """
+    make_env = envs_from if callable(envs_from) else (lambda _id: envs_from.make_env())
     episode_rows = [row for row in rows for _ in range(group_size)]
     group_ids = [g for g in range(len(rows)) for _ in range(group_size)]
-    envs = [task_cfg.make_env() for _ in episode_rows]
     ids = [f"{id_prefix}-{g}-{k % group_size}" for k, g in enumerate(group_ids)]
-    return run_episodes(
-        envs, episode_rows, group_ids, SeededSampler(policy, seed), chat, limits, episode_ids=ids
-    )
+    envs = [make_env(episode_id) for episode_id in ids]
+    try:
+        return run_episodes(
+            envs, episode_rows, group_ids, SeededSampler(policy, seed), chat, limits, ids
+        )
+    finally:
+        close = getattr(make_env, "close", None)
+        if close is not None:
+            close()
 
 
 def episode_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:
@@ -97,9 +109,13 @@ def episode_accuracy(trajectories: list[Trajectory]) -> float:
 
 
 def evaluate_policy(
-    task_cfg: Any, policy: PolicyRef, chat: HFChatFormat, limits: LoopLimits
+    task_cfg: Any,
+    policy: PolicyRef,
+    chat: HFChatFormat,
+    limits: LoopLimits,
+    make_env: Callable[[str], Environment] | None = None,
 ) -> EvalResult:
-    """Greedy episodes over the environment's fixed held-out set."""
+    """Greedy episodes over the environment's fixed held-out set (in-process envs by default)."""
     import time
 
     start = time.perf_counter()
@@ -110,7 +126,7 @@ def evaluate_policy(
         temperature=0.0,
     )
     trajectories = run_group_episodes(
-        task_cfg, task_cfg.eval_set(), 1, policy, chat, greedy, seed=0, id_prefix="eval"
+        make_env or task_cfg, task_cfg.eval_set(), 1, policy, chat, greedy, seed=0, id_prefix="eval"
     )
     ok = [t for t in trajectories if not t.failed]
     return EvalResult(

@@ -15,8 +15,9 @@ from prefect.cache_policies import NO_CACHE
 
 from agent_loop.loop import LoopLimits
 from backends.actors import PolicyRef, sync_weights, trainer
-from backends.algorithms import get_advantage_estimator
+from backends.algorithms import get_advantage_estimator, kl_penalized_rewards
 from backends.types import Datum
+from environments.remote import env_factory_for
 from infra.config import RLJobConfig
 from infra.storage import Storage, prune_checkpoints
 from tasks.common import (
@@ -57,7 +58,7 @@ def rollout(
         source.load_state(cursor)
     rows = source.next_batch(cfg.rollout.prompts_per_step)
     trajectories = run_group_episodes(
-        task_cfg,
+        env_factory_for(cfg.env, ctx.run_name),
         rows,
         cfg.rollout.group_size,
         policy,
@@ -101,7 +102,43 @@ def score(cfg: RLJobConfig, ctx: JobContext, batch: RolloutBatch) -> ScoredBatch
     samples = [{"reward": t.reward, "messages": t.messages} for t in ok[:: cfg.rollout.group_size]]
     rel = f"{step_dir(ctx.prefix, batch.step)}/data.json"
     save_data(storage, rel, data)
+    if _kl_in_reward(cfg):  # the update stage re-scores with the reference model's KL
+        groups = {"rewards": rewards_N.tolist(), "group_ids": groups_N.tolist()}
+        storage.write_json(f"{step_dir(ctx.prefix, batch.step)}/rewards.json", groups)
     return ScoredBatch(batch.step, rel, metrics, samples[:4])
+
+
+def _kl_in_reward(cfg: RLJobConfig) -> bool:
+    return cfg.algorithm.kl_coef > 0 and cfg.algorithm.kl_in == "reward"
+
+
+def _penalise_with_kl(
+    cfg: RLJobConfig, worker: Any, data: list[Datum], rewards: dict[str, list]
+) -> tuple[list[Datum], dict[str, float]]:
+    """KL in the reward: ``r - kl_coef * sum_t kl(sampler logp, reference logp)``, then the
+    advantages again from the penalised rewards."""
+    alg = cfg.algorithm
+    ref = worker.compute_ref_logprobs(data, cfg.rollout.temperature)
+    width = max(len(d.tokens) for d in data)
+
+    def padded(rows: list[list[float]]) -> torch.Tensor:
+        return torch.tensor([r + [0.0] * (width - len(r)) for r in rows], dtype=torch.float32)
+
+    penalised_N, kl_N = kl_penalized_rewards(
+        torch.tensor(rewards["rewards"], dtype=torch.float32),
+        padded([d.old_logprobs for d in data]),
+        padded(ref),
+        padded([[float(m) for m in d.loss_mask] for d in data]),
+        alg.kl_coef,
+        alg.kl_estimator,
+    )
+    groups_N = torch.tensor(rewards["group_ids"])
+    advantages_N = get_advantage_estimator(alg.advantage)(penalised_N, groups_N)
+    data = [
+        Datum(d.tokens, d.loss_mask, float(a), d.old_logprobs)
+        for d, a in zip(data, advantages_N.tolist(), strict=True)
+    ]
+    return data, {"kl_ref": float(kl_N.mean()), "reward_penalised": float(penalised_N.mean())}
 
 
 @task(name="update", cache_policy=NO_CACHE)
@@ -114,11 +151,16 @@ def update(
     if scored.data is None:
         return {"train/skipped": 1.0, "time/update_s": time.perf_counter() - start}
     worker = trainer(policy)
-    loss_config = {"clip_eps": cfg.algorithm.clip_eps}
+    data = load_data(storage, scored.data)
+    kl_metrics: dict[str, float] = {}
+    if _kl_in_reward(cfg):
+        rewards = storage.read_json(f"{step_dir(ctx.prefix, scored.step)}/rewards.json")
+        data, kl_metrics = _penalise_with_kl(cfg, worker, data, rewards)
+    loss_config = cfg.algorithm.loss_config()
     metrics = worker.forward_backward(
-        load_data(storage, scored.data), cfg.algorithm.loss, loss_config, cfg.rollout.temperature
+        data, cfg.algorithm.loss, loss_config, cfg.rollout.temperature
     )
-    metrics |= worker.optim_step()
+    metrics |= worker.optim_step() | kl_metrics
     sync_weights(policy)
     storage.delete(step_dir(ctx.prefix, scored.step))  # the step's records are consumed
     out = {f"train/{k}": float(v) for k, v in metrics.items()}
@@ -129,7 +171,8 @@ def update(
 def evaluate(cfg: RLJobConfig, ctx: JobContext, model_uri: str, policy: PolicyRef) -> EvalResult:
     """Greedy accuracy on the environment's fixed held-out set."""
     chat = chat_format(model_uri, ctx.cache_dir)
-    return evaluate_policy(cfg.env.task(), policy, chat, loop_limits(cfg))
+    make_env = env_factory_for(cfg.env, ctx.run_name)
+    return evaluate_policy(cfg.env.task(), policy, chat, loop_limits(cfg), make_env)
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)

@@ -94,3 +94,59 @@ def flowrl_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+# ------------------------------------------------------------------------ the local stack
+
+LOAD_TEST_SCHEDULER = """
+pool: {name: flowrl-test-pool, type: process, concurrency_limit: 2, gpus: 2}
+gpu_limit: gpu
+queues:
+  - {name: hi, priority: 1, concurrency_limit: 2}
+  - {name: lo, priority: 2, concurrency_limit: 1}
+"""
+
+
+@pytest.fixture(scope="session")
+def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    """``flowrl stack up`` for the session (moto S3, MLflow, Prefect server, Ray head, worker)
+    on a small scheduler declaration: pool limit 2, queues hi (2, priority 1) and lo (1,
+    priority 2), 2 GPU slots. Deployments are made by the tests that need them. Yields the
+    ``StackState``; stopped by PID at the end (worker first)."""
+    from infra import stack
+
+    home = tmp_path_factory.mktemp("stack-home")
+    declaration = home / "scheduler.yaml"
+    declaration.write_text(LOAD_TEST_SCHEDULER)
+    keys = ("FLOWRL_HOME", "FLOWRL_SCHEDULER_FILE", "PREFECT_API_URL")
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update({"FLOWRL_HOME": str(home), "FLOWRL_SCHEDULER_FILE": str(declaration)})
+    os.environ.pop("PREFECT_API_URL", None)
+    try:
+        state = stack.stack_up(gpus=2, deploy=False, ray=True)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    yield state
+    os.environ["FLOWRL_HOME"] = str(home)
+    try:
+        stack.stack_down()
+    finally:
+        if saved["FLOWRL_HOME"] is None:
+            os.environ.pop("FLOWRL_HOME", None)
+        else:
+            os.environ["FLOWRL_HOME"] = saved["FLOWRL_HOME"]
+
+
+@pytest.fixture
+def stack_env(local_stack, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """This test talks to the local stack: its env vars and Prefect API URL."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    for key, value in local_stack.env.items():
+        monkeypatch.setenv(key, value)
+    with temporary_settings(updates={PREFECT_API_URL: local_stack.env["PREFECT_API_URL"]}):
+        yield local_stack

@@ -262,3 +262,60 @@ def test_mismatched_inputs_and_bad_limits_are_rejected():
         run_episodes([GuessNumberEnv()], [], [0], ScriptedSampler([]), CHAT, LoopLimits())
     with pytest.raises(ValueError, match="max_turns"):
         LoopLimits(max_turns=0)
+
+
+TOOL = 260
+"""Role id of tool messages in ``ToolByteChat``."""
+
+
+class ToolByteChat(ByteChat):
+    """ByteChat that also renders ``tool`` messages (``[TOOL] bytes [END]``)."""
+
+    def encode_message(self, message: dict[str, str]) -> list[int]:
+        if message["role"] == "tool":
+            return [TOOL, *text_ids(message["content"]), END]
+        return super().encode_message(message)
+
+
+class EchoToolEnv(GuessNumberEnv):
+    """Answers a guess with a tool message (``observation_role``), or with ``role`` if given."""
+
+    def __init__(self, role: str = "tool") -> None:
+        super().__init__()
+        self.role = role
+
+    def step(self, action):
+        result = super().step(action)
+        info = {**result.info, "observation_role": self.role}
+        return type(result)(result.observation, result.reward, result.done, info)
+
+
+def test_environment_chooses_the_tool_role_for_its_observation():
+    chat = ToolByteChat()
+    sampler = ScriptedSampler([[say("3")], [say("7")]])
+
+    (traj,) = run_episodes([EchoToolEnv()], [{"target": 7}], [0], sampler, chat, LoopLimits(3))
+
+    tool_turn = chat.encode_turn({"role": "tool", "content": "higher"})
+    assert tool_turn[0] == TOOL
+    prompt = chat.encode_prompt([{"role": "user", "content": "guess 0-9"}])
+    assert traj.tokens == prompt + say("3") + tool_turn + say("7")
+    assert traj.loss_mask == [0] * len(prompt) + [1, 1] + [0] * len(tool_turn) + [1, 1]
+    assert traj.messages[2] == {"role": "tool", "content": "higher"}
+    assert traj.tokens == chat.render(traj.messages)
+    assert "observation_role" not in traj.info  # consumed by the loop, not a metric
+    assert traj.stop_reason is StopReason.DONE
+
+
+def test_unknown_observation_role_fails_only_that_episode():
+    sampler = ScriptedSampler([[say("3"), say("3")], [say("7")]])
+    bad, ok = run_episodes(
+        [EchoToolEnv(role="system"), GuessNumberEnv()],
+        [{"target": 7}, {"target": 7}],
+        [0, 1],
+        sampler,
+        CHAT,
+        LoopLimits(max_turns=3),
+    )
+    assert bad.stop_reason is StopReason.ERROR and "observation_role" in bad.info["error"]
+    assert ok.stop_reason is StopReason.DONE

@@ -8,11 +8,18 @@ import torch
 
 from backends.algorithms import (
     ADVANTAGE_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
     POLICY_LOSSES,
+    cispo_loss,
+    dr_grpo_advantages,
     get_advantage_estimator,
     get_policy_loss,
     grpo_advantages,
+    gspo_loss,
+    kl_penalized_rewards,
     ppo_clip_loss,
+    reinforce_pp_advantages,
     rloo_advantages,
     token_logprobs,
 )
@@ -205,8 +212,130 @@ def test_token_logprobs_equal_slow_log_softmax_and_are_float32_from_bf16():
 def test_registries_resolve_by_name_and_reject_unknown_names_listing_known_ones():
     assert get_advantage_estimator("grpo") is grpo_advantages
     assert get_policy_loss("ppo_clip") is ppo_clip_loss
-    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo"} and set(POLICY_LOSSES) == {"ppo_clip"}
-    with pytest.raises(KeyError, match="grpo, rloo"):
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "dr_grpo", "rloo", "reinforce_pp"}
+    assert set(POLICY_LOSSES) == {"ppo_clip", "cispo", "gspo"}
+    with pytest.raises(KeyError, match="dr_grpo, grpo, reinforce_pp, rloo"):
         get_advantage_estimator("gae")
     with pytest.raises(KeyError, match="ppo_clip"):
         get_policy_loss("dpo")
+
+
+# --- Dr. GRPO and REINFORCE++ -----------------------------------------------------------------
+
+
+def test_dr_grpo_is_the_group_mean_baseline_without_std():
+    # group 7: [1, 0] mean .5 -> [+.5, -.5]; group 3: [2, 2, 2] -> 0 (GRPO would give +-.70711)
+    rewards = torch.tensor([1.0, 2.0, 0.0, 2.0, 2.0])
+    group_ids = torch.tensor([7, 3, 7, 3, 3])
+    assert close(dr_grpo_advantages(rewards, group_ids), [0.5, 0.0, -0.5, 0.0, 0.0])
+
+
+def test_reinforce_pp_centres_per_group_and_scales_by_the_batch_std():
+    # group 0: [1, 0] -> centred [.5, -.5]; group 1: [3, 1] -> centred [1, -1]
+    # batch of centred values [.5, -.5, 1, -1]: mean 0, unbiased var (.25+.25+1+1)/3 = .83333,
+    # std .91287 -> [.54772, -.54772, 1.09545, -1.09545] (GRPO would give +-.70711 in both)
+    rewards = torch.tensor([1.0, 0.0, 3.0, 1.0])
+    group_ids = torch.tensor([0, 0, 1, 1])
+    assert close(
+        reinforce_pp_advantages(rewards, group_ids), [0.54772, -0.54772, 1.09545, -1.09545]
+    )
+    # no signal at all: zeros, no NaN
+    assert close(reinforce_pp_advantages(torch.ones(4), group_ids), [0.0] * 4)
+
+
+# --- loss aggregation and KL ------------------------------------------------------------------
+
+
+def test_loss_aggregations_match_hand_values():
+    # rows [1, 2, 3] (all tokens) and [4, (5), (6)] (one token):
+    # token-mean (1+2+3+4)/4 = 2.5; seq-mean-token-sum (6 + 4)/2 = 5;
+    # seq-mean-token-mean (2 + 4)/2 = 3
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    got = {name: float(agg(values, mask)) for name, agg in LOSS_AGGREGATIONS.items()}
+    assert got == pytest.approx(
+        {"token-mean": 2.5, "seq-mean-token-sum": 5.0, "seq-mean-token-mean": 3.0}
+    )
+
+
+def test_kl_estimators_match_hand_values():
+    # p = .5, p_ref = .25: k1 = ln 2 = .693147; k2 = .5 (ln 2)^2 = .240227;
+    # k3 = p_ref/p - ln(p_ref/p) - 1 = .5 + .693147 - 1 = .193147. Equal policies: all 0.
+    logp, ref = torch.tensor([[math.log(0.5), -1.0]]), torch.tensor([[math.log(0.25), -1.0]])
+    assert close(KL_ESTIMATORS["k1"](logp, ref), [[0.693147, 0.0]])
+    assert close(KL_ESTIMATORS["k2"](logp, ref), [[0.240227, 0.0]])
+    assert close(KL_ESTIMATORS["k3"](logp, ref), [[0.193147, 0.0]])
+
+
+def test_kl_in_the_reward_sums_over_sampled_tokens():
+    # episode 0: tokens (p .5 vs ref .25, equal) -> k1 = ln 2 + 0; episode 1: second token is
+    # masked (its -5 gap must not count) -> ln 2. coef .1: rewards [1, 0] - .069315
+    logp = torch.tensor([[math.log(0.5), -1.0], [math.log(0.5), 0.0]])
+    ref = torch.tensor([[math.log(0.25), -1.0], [math.log(0.25), -5.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    rewards, kl = kl_penalized_rewards(torch.tensor([1.0, 0.0]), logp, ref, mask, 0.1, "k1")
+    assert close(kl, [0.693147, 0.693147])
+    assert close(rewards, [1 - 0.0693147, -0.0693147])
+
+
+# --- clip-higher, aggregation options, CISPO, GSPO (on the PPO hand batch above) -------------
+
+
+def test_ppo_clip_higher_lets_positive_advantage_tokens_rise_further():
+    # clip range [.8, 1.6]: token (0,0) ratio 1.5, A = +1 is no longer clipped -> loss -1.5;
+    # token (1,0) ratio .5, A = -2 is still clipped at .8 -> 1.6.
+    # loss = (-1.5 - 1.0 - .5 + 1.6 + 2.2) / 5 = .16; clip_fraction 1/5; grad (0,0) = -1.5/5
+    new, old, advantages, mask = _hand_batch()
+    loss, metrics = ppo_clip_loss(new, old, advantages, mask, clip_eps=0.2, clip_eps_high=0.6)
+    assert loss.item() == pytest.approx(0.16, abs=1e-6)
+    assert metrics["clip_fraction"] == pytest.approx(0.2)
+    loss.backward()
+    assert close(new.grad, [[-0.3, -0.2, -0.1], [0.0, 0.44, 0.0]], tol=1e-6)
+
+
+def test_ppo_clip_sequence_aggregations():
+    # per-token losses: row 0 [-1.2, -1.0, -.5] (sum -2.7, mean -.9); row 1 [1.6, 2.2] (3.8, 1.9)
+    # seq-mean-token-sum (-2.7 + 3.8)/2 = .55; seq-mean-token-mean (-.9 + 1.9)/2 = .5
+    new, old, advantages, mask = _hand_batch()
+    sums = ppo_clip_loss(new, old, advantages, mask, loss_agg="seq-mean-token-sum")[0]
+    means = ppo_clip_loss(new, old, advantages, mask, loss_agg="seq-mean-token-mean")[0]
+    assert sums.item() == pytest.approx(0.55, abs=1e-6)
+    assert means.item() == pytest.approx(0.5, abs=1e-6)
+
+
+def test_cispo_keeps_every_tokens_gradient_with_a_capped_weight():
+    # weight = min(ratio, 1.2) detached: [[1.2, 1, .5], [.5, 1.1, -]]; d loss/d logp = -w A / 5:
+    # (0,0) -.24, (0,1) -.2, (0,2) -.1, (1,0) +.2, (1,1) +.44 -- where PPO-clip gives (0,0) and
+    # (1,0) no gradient at all. new logp = old + ln ratio, so the loss value is
+    # -(1.2*-.594535 - 2 + .5*-1.193147 + (.5*-2)*-.993147 + (1.1*-2)*-1.604690) / 5 = -.242690
+    new, old, advantages, mask = _hand_batch()
+    loss, metrics = cispo_loss(new, old, advantages, mask, clip_eps_high=0.2)
+    assert loss.item() == pytest.approx(-0.242690, abs=1e-5)
+    assert metrics["clip_fraction"] == pytest.approx(0.2)  # only (0,0) is capped
+    loss.backward()
+    assert close(new.grad, [[-0.24, -0.2, -0.1], [0.2, 0.44, 0.0]], tol=1e-6)
+
+
+def test_gspo_uses_one_ratio_per_sequence():
+    # row 0: s = exp(mean(ln 1.5, 0, ln .5)) = .908560, A = +1 -> inside [.8, 1.2]: -.908560
+    # row 1: s = exp(mean(ln .5, ln 1.1)) = .741620 (masked token ignored), A = -2:
+    #   min(-1.483240, .8 * -2) = -1.6 -> loss 1.6, clipped
+    # seq-mean-token-mean: (-.908560 + 1.6) / 2 = .345720
+    # grad: row 0 tokens each -s/(3 tokens * 2 rows) = -.151427; row 1 clipped -> 0
+    new, old, advantages, mask = _hand_batch()
+    loss, metrics = gspo_loss(new, old, advantages, mask, clip_eps=0.2, clip_eps_high=0.2)
+    assert loss.item() == pytest.approx(0.345720, abs=1e-5)
+    assert metrics["clip_fraction"] == pytest.approx(2 / 5)  # row 1's two tokens
+    loss.backward()
+    assert close(new.grad, [[-0.151427] * 3, [0.0, 0.0, 0.0]], tol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_every_loss_at_the_old_policy_pushes_up_positive_advantages(name):
+    # ratio 1 everywhere: no clipping anywhere; the gradient on a token is -A / 5 (token-mean),
+    # so gradient descent raises log-probs of A > 0 rows and lowers those of A < 0 rows.
+    _, old, advantages, mask = _hand_batch()
+    new = old.clone().requires_grad_(True)
+    loss, _ = get_policy_loss(name)(new, old, advantages, mask, clip_eps=0.2, loss_agg="token-mean")
+    loss.backward()
+    assert close(new.grad, [[-0.2, -0.2, -0.2], [0.4, 0.4, 0.0]], tol=1e-6)

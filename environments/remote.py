@@ -1,0 +1,207 @@
+"""Where an episode's environment runs: in-process, in a pool of Ray actors, or behind the HTTP
+service (``environments.service``) — chosen by ``env.mode`` in the job config.
+
+All three build the environment the same way (registry name + parameters + data row), so with a
+fixed seed an episode gives the same trajectory in every mode. A remote failure (service down,
+actor dead, environment raising) raises from ``reset``/``step``: the agent loop then fails that
+episode alone and the job goes on.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import httpx
+import ray
+
+from environments.registry import make_task
+from environments.types import Environment, StepResult
+
+EnvMode = Literal["local", "ray", "http"]
+
+
+class RemoteEnvError(RuntimeError):
+    """A remote environment could not answer (the episode fails; the job goes on)."""
+
+
+@dataclass
+class _Remote:
+    """Shared state of a proxy: the episode's opening, and whether it is over."""
+
+    episode_id: str
+    system_prompt: str = ""
+    first_message: str = ""
+    done: bool = False
+
+    def get_system_prompt(self) -> str:
+        return self.system_prompt
+
+    def get_initial_user_message(self) -> str:
+        return self.first_message
+
+
+@dataclass
+class HTTPEnv(_Remote):
+    """An episode hosted by the HTTP environment service."""
+
+    client: httpx.Client = field(default=None, repr=False)  # type: ignore[assignment]
+    job: str = ""
+    spec: dict[str, Any] = field(default_factory=dict)
+
+    def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        try:
+            response = self.client.post(path, json=body)
+        except httpx.HTTPError as exc:
+            raise RemoteEnvError(f"environment service unreachable: {exc!r}") from exc
+        if response.status_code != 200:
+            raise RemoteEnvError(f"environment service {response.status_code}: {response.text}")
+        return response.json()
+
+    def reset(self, **row: Any) -> str:
+        body = {"job": self.job, "episode_id": self.episode_id, "env": self.spec, "row": row}
+        answer = self._post("/reset", body)
+        self.system_prompt, self.first_message = answer["system_prompt"], answer["observation"]
+        return self.first_message
+
+    def step(self, action: str) -> StepResult:
+        body = {"job": self.job, "episode_id": self.episode_id, "action": action}
+        result = StepResult(**self._post("/step", body))
+        self.done = result.done
+        return result
+
+    def close(self) -> None:
+        if not self.done:
+            try:
+                self.client.delete(f"/episodes/{self.job}/{self.episode_id}")
+            except httpx.HTTPError:
+                pass  # the service is gone: nothing left to free
+
+
+class EnvActor:
+    """A Ray actor hosting many episodes (the ``ray`` mode's pool member)."""
+
+    def __init__(self) -> None:
+        self.episodes: dict[str, Environment] = {}
+
+    def reset(self, episode_id: str, spec: dict[str, Any], row: dict[str, Any]) -> tuple[str, str]:
+        env = make_task(spec["name"], spec["params"]).make_env()
+        observation = env.reset(**row)
+        self.episodes[episode_id] = env
+        return observation, env.get_system_prompt()
+
+    def step(self, episode_id: str, action: str) -> dict[str, Any]:
+        result = self.episodes[episode_id].step(action)
+        if result.done:
+            self.episodes.pop(episode_id, None)
+        return asdict(result)
+
+    def end(self, episode_id: str) -> None:
+        self.episodes.pop(episode_id, None)
+
+    def live(self) -> int:
+        return len(self.episodes)
+
+
+@dataclass
+class RayEnv(_Remote):
+    """An episode hosted by one actor of a Ray pool."""
+
+    actor: Any = field(default=None, repr=False)
+    spec: dict[str, Any] = field(default_factory=dict)
+
+    def _call(self, verb: str, *args: Any) -> Any:
+        try:
+            return ray.get(getattr(self.actor, verb).remote(*args))
+        except (ray.exceptions.RayError, KeyError) as exc:
+            raise RemoteEnvError(f"environment actor failed: {exc}") from exc
+
+    def reset(self, **row: Any) -> str:
+        self.first_message, self.system_prompt = self._call(
+            "reset", self.episode_id, self.spec, row
+        )
+        return self.first_message
+
+    def step(self, action: str) -> StepResult:
+        result = StepResult(**self._call("step", self.episode_id, action))
+        self.done = result.done
+        return result
+
+    def close(self) -> None:
+        if not self.done:
+            self.actor.end.remote(self.episode_id)
+
+
+def env_pool(pool_name: str, size: int) -> list[Any]:
+    """The ``size`` actors of a named pool, started on first use (they outlive one task)."""
+    actor_cls = ray.remote(num_cpus=0)(EnvActor)
+    return [
+        actor_cls.options(
+            name=f"{pool_name}-{i}", namespace="flowrl", get_if_exists=True, lifetime="detached"
+        ).remote()
+        for i in range(size)
+    ]
+
+
+def stop_env_pool(pool_name: str, size: int) -> None:
+    for i in range(size):
+        try:
+            ray.kill(ray.get_actor(f"{pool_name}-{i}", namespace="flowrl"))
+        except ValueError:
+            pass  # never started or already gone
+
+
+class EnvFactory:
+    """Builds one environment per episode id in the configured mode; ``close()`` frees the
+    remote episodes that ended without the environment saying done (turn or token caps)."""
+
+    def __init__(
+        self,
+        name: str,
+        params: dict[str, Any],
+        mode: EnvMode = "local",
+        job: str = "local",
+        service_url: str | None = None,
+        ray_actors: int = 2,
+        timeout_s: float = 30.0,
+    ):
+        self.spec = {"name": name, "params": params}
+        self.mode, self.job = mode, job
+        self._made: list[Any] = []
+        self._task = make_task(name, params) if mode == "local" else None
+        self._client = (
+            httpx.Client(base_url=service_url, timeout=timeout_s) if mode == "http" else None
+        )
+        self._actors = env_pool(f"{job}-envs", ray_actors) if mode == "ray" else []
+
+    def __call__(self, episode_id: str) -> Environment:
+        if self.mode == "local":
+            return self._task.make_env()
+        if self.mode == "http":
+            env: Any = HTTPEnv(episode_id, client=self._client, job=self.job, spec=self.spec)
+        else:
+            actor = self._actors[zlib.crc32(episode_id.encode()) % len(self._actors)]
+            env = RayEnv(episode_id, actor=actor, spec=self.spec)
+        self._made.append(env)
+        return env
+
+    def close(self) -> None:
+        for env in self._made:
+            env.close()
+        self._made.clear()
+        if self._client is not None:
+            self._client.close()
+
+
+def env_factory_for(env_section: Any, job: str) -> Callable[[str], Environment]:
+    """An ``EnvFactory`` from the job config's ``env`` section."""
+    return EnvFactory(
+        env_section.name,
+        env_section.params,
+        mode=env_section.mode,
+        job=job,
+        service_url=env_section.service_url,
+        ray_actors=env_section.ray_actors,
+    )

@@ -1,0 +1,113 @@
+"""Environments as a service: an HTTP API (FastAPI) hosting episodes keyed by job and episode id.
+
+    python -m environments.service --host 127.0.0.1 --port 8765
+
+Endpoints (JSON):
+- ``POST /reset``  {job, episode_id, env: {name, params}, row} → {observation, system_prompt}
+- ``POST /step``   {job, episode_id, action} → {observation, reward, done, info}
+- ``DELETE /episodes/{job}/{episode_id}`` → ends an episode early
+- ``GET /stats``   → {"episodes": live episodes, "jobs": {job: live episodes}, "steps": total}
+- ``GET /health``
+
+Environments are built from the registry by name (``environments.registry``): a client sends
+data (a name, parameters and a data row), never code. An environment that raises answers 500
+with the error text, so the client's episode fails and the others go on.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import Counter
+from dataclasses import asdict
+from typing import Any
+
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel, Field
+
+from environments.registry import make_task
+from environments.types import Environment
+
+
+class EnvSpec(BaseModel):
+    name: str = Field(description="Registered environment name.")
+    params: dict[str, Any] = Field(default_factory=dict, description="Its task parameters.")
+
+
+class ResetRequest(BaseModel):
+    job: str
+    episode_id: str
+    env: EnvSpec
+    row: dict[str, Any] = Field(default_factory=dict)
+
+
+class StepRequest(BaseModel):
+    job: str
+    episode_id: str
+    action: str
+
+
+def create_app(max_episodes: int = 100_000) -> FastAPI:
+    """The service; episodes live in this process's memory until done or deleted."""
+    app = FastAPI(title="flowrl environments")
+    episodes: dict[tuple[str, str], Environment] = {}
+    counters: Counter[str] = Counter()
+
+    def episode(job: str, episode_id: str) -> Environment:
+        try:
+            return episodes[(job, episode_id)]
+        except KeyError:
+            raise HTTPException(404, f"no live episode {episode_id!r} of job {job!r}") from None
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.post("/reset")
+    def reset(req: ResetRequest) -> dict[str, str]:
+        if len(episodes) >= max_episodes:
+            raise HTTPException(503, f"too many live episodes ({max_episodes})")
+        try:
+            env = make_task(req.env.name, req.env.params).make_env()
+            observation = env.reset(**req.row)
+        except Exception as exc:  # the episode fails, not the service
+            raise HTTPException(500, f"reset failed: {exc!r}") from exc
+        episodes[(req.job, req.episode_id)] = env
+        return {"observation": observation, "system_prompt": env.get_system_prompt()}
+
+    @app.post("/step")
+    def step(req: StepRequest) -> dict[str, Any]:
+        env = episode(req.job, req.episode_id)
+        try:
+            result = env.step(req.action)
+        except Exception as exc:
+            episodes.pop((req.job, req.episode_id), None)
+            raise HTTPException(500, f"step failed: {exc!r}") from exc
+        counters["steps"] += 1
+        if result.done:
+            episodes.pop((req.job, req.episode_id), None)
+        return asdict(result)
+
+    @app.delete("/episodes/{job}/{episode_id}")
+    def end(job: str, episode_id: str) -> dict[str, bool]:
+        return {"ended": episodes.pop((job, episode_id), None) is not None}
+
+    @app.get("/stats")
+    def stats() -> dict[str, Any]:
+        jobs = Counter(job for job, _ in episodes)
+        return {"episodes": len(episodes), "jobs": dict(jobs), "steps": counters["steps"]}
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description="Serve flowrl environments over HTTP.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8765)
+    args = parser.parse_args(argv)
+    uvicorn.run(create_app(), host=args.host, port=args.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

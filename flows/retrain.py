@@ -1,0 +1,153 @@
+"""Scheduled retraining: train a challenger from the registry's champion, promote only if better.
+
+1. resolve ``models:/<name>@champion`` (no champion yet: train from ``job.model.source`` and
+   promote the first version — recorded as ``bootstrap``);
+2. train a challenger with the ``rl-train`` flow as a subflow (``model.source`` =
+   ``models:/<name>@champion``, a fresh job name and seed, so new data and no resume);
+3. evaluate champion and challenger with the same code on the same held-out set;
+4. move the alias to the challenger only if it beats the champion by ``min_improvement``.
+
+Every decision is recorded on an MLflow run (metrics + tags), on the challenger's model version
+(tags) and as a Prefect markdown artifact. Deployed on a cron schedule (``prefect.yaml``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlflow.exceptions import MlflowException
+from prefect import flow, task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
+from pydantic import BaseModel, ConfigDict, Field
+
+from backends.actors import start_policy, stop_policy
+from backends.types import WorkerSpec
+from flows.rl import rl_train
+from infra import tracking
+from infra.config import RLJobConfig
+from infra.settings import get_settings
+from tasks.common import chat_format, derived_seed, evaluate_policy
+from tasks.rl import loop_limits
+
+
+class RetrainConfig(BaseModel):
+    """A retraining round: the training job template and the promotion gate."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    job: RLJobConfig = Field(
+        default_factory=lambda: RLJobConfig(name="arithmetic-retrain"),
+        description="Training job template; name, seed and model.source are set per round.",
+    )
+    alias: str = Field(default="champion", description="Registry alias of the serving model.")
+    min_improvement: float = Field(
+        default=0.0, description="Promote only if challenger accuracy > champion + this."
+    )
+
+
+@dataclass(frozen=True)
+class RetrainDecision:
+    model_name: str
+    champion_version: str | None
+    challenger_version: str
+    champion_accuracy: float | None
+    challenger_accuracy: float
+    decision: str
+    """``promoted``, ``kept`` (champion unchanged) or ``bootstrap`` (first champion)."""
+    mlflow_run_id: str
+
+
+def should_promote(champion: float | None, challenger: float, min_improvement: float) -> bool:
+    """The gate: strictly better than the champion by more than ``min_improvement``."""
+    return champion is None or challenger > champion + min_improvement
+
+
+def champion_version(name: str, alias: str) -> str | None:
+    try:
+        return str(tracking.client().get_model_version_by_alias(name, alias).version)
+    except MlflowException:
+        return None
+
+
+@task(name="evaluate-model", cache_policy=NO_CACHE)
+def evaluate_model(job: RLJobConfig, model_uri: str) -> float:
+    """Greedy held-out accuracy of a registered model (in-process workers, same eval code)."""
+    cache_dir = get_settings().model_cache_dir
+    spec = WorkerSpec(model_uri=model_uri, cache_dir=cache_dir, seed=job.seed)
+    policy = start_policy(f"eval-{derived_seed(model_uri)}", spec, local=True)
+    try:
+        chat = chat_format(model_uri, cache_dir)
+        return evaluate_policy(job.env.task(), policy, chat, loop_limits(job)).accuracy
+    finally:
+        stop_policy(policy)
+
+
+def challenger_job(config: RetrainConfig, round_id: str, champion: str | None) -> RLJobConfig:
+    job = config.job
+    name = job.registered_model_name
+    source = f"models:/{name}@{config.alias}" if champion else job.model.source
+    return job.model_copy(
+        update={
+            "name": f"{job.name[:48]}-{round_id}",
+            "seed": derived_seed(job.seed, round_id) % 2**31,
+            "model": job.model.model_copy(update={"source": source}),
+            "register_as": name,
+        }
+    )
+
+
+@flow(name="retrain", log_prints=True)
+def retrain(config: RetrainConfig = RetrainConfig()) -> RetrainDecision:  # noqa: B008
+    get_settings().apply_to_environment()
+    name = config.job.registered_model_name
+    round_id = (flow_run.get_id() or "local0000")[:8]
+    champion = champion_version(name, config.alias)
+    trained = rl_train(challenger_job(config, round_id, champion))
+    challenger = trained.model_uri.rsplit("/", 1)[1]
+    champ_acc = evaluate_model(config.job, f"models:/{name}/{champion}") if champion else None
+    chall_acc = evaluate_model(config.job, trained.model_uri)
+    promote = should_promote(champ_acc, chall_acc, config.min_improvement)
+    decision = ("promoted" if champion else "bootstrap") if promote else "kept"
+    if promote:
+        tracking.client().set_registered_model_alias(name, config.alias, challenger)
+    return record_decision(
+        config, RetrainDecision(name, champion, challenger, champ_acc, chall_acc, decision, "")
+    )
+
+
+def record_decision(config: RetrainConfig, d: RetrainDecision) -> RetrainDecision:
+    """MLflow run (metrics, tags), challenger version tags, Prefect markdown artifact."""
+    c = tracking.client()
+    tags = {
+        "flowrl.retrain.decision": d.decision,
+        "flowrl.retrain.champion_version": str(d.champion_version),
+        "flowrl.retrain.challenger_version": d.challenger_version,
+        "flowrl.retrain.min_improvement": str(config.min_improvement),
+    }
+    run_id = tracking.start_run(config.job.experiment, f"retrain-{d.model_name}", tags)
+    for key, value in tags.items():
+        c.set_tag(run_id, key, value)
+    metrics = {"retrain/challenger_accuracy": d.challenger_accuracy}
+    if d.champion_accuracy is not None:
+        metrics["retrain/champion_accuracy"] = d.champion_accuracy
+    tracking.log_metrics(run_id, metrics, step=0)
+    tracking.end_run(run_id)
+    for key, value in tags.items():
+        c.set_model_version_tag(d.model_name, d.challenger_version, key, value)
+    champ = "none" if d.champion_accuracy is None else f"{d.champion_accuracy:.3f}"
+    create_markdown_artifact(
+        key="retrain-decision",
+        description=f"Retraining decision for {d.model_name}",
+        markdown=(
+            f"## Retraining `{d.model_name}`: **{d.decision}**\n\n"
+            f"| | version | held-out accuracy |\n|---|---|---|\n"
+            f"| champion | {d.champion_version} | {champ} |\n"
+            f"| challenger | {d.challenger_version} | {d.challenger_accuracy:.3f} |\n\n"
+            f"Gate: challenger > champion + {config.min_improvement}. "
+            f"Alias `{config.alias}` → version "
+            f"{d.challenger_version if d.decision != 'kept' else d.champion_version}."
+        ),
+    )
+    return RetrainDecision(**{**d.__dict__, "mlflow_run_id": run_id})

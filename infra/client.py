@@ -1,0 +1,200 @@
+"""The job client: submit, watch, cancel jobs and read their results, over Prefect and MLflow.
+
+A thin layer on Prefect's client (``run_deployment(..., timeout=0)`` submits; flow-run states
+are the job's status; cancellation is a state change the worker acts on) and MLflow's client
+(metrics of the job's run). No GPU, no model: this is what a user's laptop runs.
+
+    from infra.client import JobClient
+    jobs = JobClient()
+    run_id = jobs.submit("rl-train", {"config": {"name": "my-job", "resources": {"gpus": 1}}})
+    jobs.wait(run_id); print(jobs.result(run_id))
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+from uuid import UUID
+
+from infra.scheduler import admit, load_scheduler
+
+
+@dataclass(frozen=True)
+class JobStatus:
+    """One job as its flow run sees it."""
+
+    id: str
+    name: str
+    deployment: str | None
+    queue: str | None
+    state: str
+    """Prefect state type: SCHEDULED, PENDING, RUNNING, COMPLETED, FAILED, CANCELLED, …"""
+    message: str | None
+    start_time: datetime | None
+    end_time: datetime | None
+
+    @property
+    def final(self) -> bool:
+        return self.state in {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
+
+
+def requested_gpus(parameters: dict[str, Any]) -> int:
+    """GPU slots a job asks for: ``config.resources.gpus`` (job configs) or ``gpus`` (probes)."""
+    config = parameters.get("config")
+    if isinstance(config, dict):
+        return int((config.get("resources") or {}).get("gpus", 0) or 0)
+    if config is not None and hasattr(config, "resources"):
+        return int(config.resources.gpus)
+    return int(parameters.get("gpus", 0) or 0)
+
+
+def _job_name(parameters: dict[str, Any]) -> str | None:
+    config = parameters.get("config")
+    if isinstance(config, dict):
+        return config.get("name")
+    return getattr(config, "name", None)
+
+
+class JobClient:
+    """Jobs on the Prefect API of the environment (``PREFECT_API_URL``)."""
+
+    def _client(self):
+        from prefect import get_client
+
+        return get_client(sync_client=True)
+
+    def deployment_name(self, name: str) -> str:
+        """``flow/deployment`` from a short deployment name (``rl-train``)."""
+        if "/" in name:
+            return name
+        from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+        with self._client() as c:
+            found = c.read_deployments(
+                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=[name]))
+            )
+            if len(found) != 1:
+                raise LookupError(f"{len(found)} deployments are named {name!r}")
+            flow = c.read_flow(found[0].flow_id)
+        return f"{flow.name}/{name}"
+
+    def submit(
+        self,
+        deployment: str,
+        parameters: dict[str, Any] | None = None,
+        queue: str | None = None,
+        run_name: str | None = None,
+    ) -> str:
+        """Submit without waiting; returns the flow-run id. Refused at once (``AdmissionError``)
+        if the job asks for more GPUs than the pool has."""
+        from prefect.deployments import run_deployment
+
+        parameters = parameters or {}
+        gpus = requested_gpus(parameters)
+        admit(gpus)
+        # On Kubernetes the pod asks the node for the job's GPUs (base job template `gpus`).
+        kube = load_scheduler().pool.type == "kubernetes"
+        run = run_deployment(
+            self.deployment_name(deployment),
+            parameters=parameters,
+            timeout=0,
+            work_queue_name=queue,
+            flow_run_name=run_name or _job_name(parameters),
+            as_subflow=False,
+            job_variables={"gpus": gpus} if kube else None,
+        )
+        return str(run.id)
+
+    def status(self, run_id: str) -> JobStatus:
+        with self._client() as c:
+            run = c.read_flow_run(UUID(run_id))
+            deployment = c.read_deployment(run.deployment_id).name if run.deployment_id else None
+        return JobStatus(
+            id=str(run.id),
+            name=run.name,
+            deployment=deployment,
+            queue=run.work_queue_name,
+            state=run.state_type.value if run.state_type else "UNKNOWN",
+            message=run.state.message if run.state else None,
+            start_time=run.start_time,
+            end_time=run.end_time,
+        )
+
+    def list(self, limit: int = 20, states: list[str] | None = None) -> list[JobStatus]:
+        """Latest flow runs that came from a deployment, newest first."""
+        from prefect.client.schemas.filters import (
+            FlowRunFilter,
+            FlowRunFilterDeploymentId,
+            FlowRunFilterState,
+            FlowRunFilterStateType,
+        )
+        from prefect.client.schemas.objects import StateType
+        from prefect.client.schemas.sorting import FlowRunSort
+
+        flt = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(is_null_=False))
+        if states:
+            types = [StateType(s.upper()) for s in states]
+            flt.state = FlowRunFilterState(type=FlowRunFilterStateType(any_=types))
+        with self._client() as c:
+            runs = c.read_flow_runs(
+                flow_run_filter=flt, sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=limit
+            )
+        return [self.status(str(r.id)) for r in runs]
+
+    def cancel(self, run_id: str) -> JobStatus:
+        """A waiting job is cancelled at once; a running one is marked CANCELLING and its worker
+        stops the process."""
+        from prefect.states import Cancelled, Cancelling
+
+        current = self.status(run_id)
+        if current.final:
+            return current
+        waiting = current.state in {"SCHEDULED", "PENDING", "PAUSED"}
+        state = Cancelled(message="cancelled by the job client") if waiting else Cancelling()
+        with self._client() as c:
+            c.set_flow_run_state(UUID(run_id), state, force=True)
+        return self.status(run_id)
+
+    def wait(self, run_id: str, timeout: float = 3600, poll: float = 1.0) -> JobStatus:
+        deadline = time.monotonic() + timeout
+        while True:
+            status = self.status(run_id)
+            if status.final:
+                return status
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {run_id} still {status.state} after {timeout} s")
+            time.sleep(poll)
+
+    def parameters(self, run_id: str) -> dict[str, Any]:
+        with self._client() as c:
+            return dict(c.read_flow_run(UUID(run_id)).parameters)
+
+    def metrics(self, run_id: str) -> dict[str, float]:
+        """Latest value of every metric of the job's MLflow run (found by job name)."""
+        from infra.tracking import client as mlflow_client
+
+        name = _job_name(self.parameters(run_id))
+        if name is None:
+            return {}
+        runs = mlflow_client().search_runs(
+            experiment_ids=[e.experiment_id for e in mlflow_client().search_experiments()],
+            filter_string=f"tags.`flowrl.job` = '{name}'",
+            order_by=["attributes.start_time DESC"],
+            max_results=1,
+        )
+        return dict(runs[0].data.metrics) if runs else {}
+
+    def result(self, run_id: str) -> dict[str, Any] | None:
+        """The job's ``result.json`` in storage (model URI, MLflow run), once it finished."""
+        from infra.settings import get_settings
+        from infra.storage import Storage
+
+        params = self.parameters(run_id)
+        name = _job_name(params)
+        if name is None:
+            return None
+        storage = Storage(get_settings().storage_root)
+        rel = f"jobs/{name}/result.json"
+        return storage.read_json(rel) if storage.exists(rel) else None

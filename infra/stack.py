@@ -1,0 +1,265 @@
+"""A real local stack on 127.0.0.1, one command up and one down.
+
+``flowrl stack up`` starts, in order: ``moto_server`` (the S3 endpoint, with a bucket), an
+MLflow tracking server (SQLite backend, artifacts proxied to S3), a Prefect server, a Ray head,
+then applies the scheduler declaration and the deployments and starts a process worker on the
+pool. Each component runs in its own process group; PIDs, ports and the environment a client
+needs are kept in ``<FLOWRL_HOME>/stack/state.json``. ``flowrl stack down`` stops them by PID in
+reverse order (the worker before the Prefect server). ``docs/stack.md`` says how production
+swaps each one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from infra.servers import TEST_CREDENTIALS, free_port, wait_for_http
+from infra.settings import get_settings
+
+HOST = "127.0.0.1"
+BUCKET = "flowrl"
+BIN = Path(sys.executable).parent
+WORKER_QUERY_SECONDS = 1  # Prefect's default of 10 s would dominate submission -> start
+STOP_ORDER = ("worker", "ray", "prefect", "mlflow", "moto")
+
+
+@dataclass
+class Component:
+    pid: int
+    url: str
+    log: str
+
+
+@dataclass
+class StackState:
+    """What ``stack up`` started and what a client needs to use it."""
+
+    components: dict[str, Component] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> StackState | None:
+        if not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        comps = {k: Component(**v) for k, v in data["components"].items()}
+        return cls(components=comps, env=data["env"])
+
+
+def stack_dir() -> Path:
+    return get_settings().resolved_home / "stack"
+
+
+def state_file() -> Path:
+    return stack_dir() / "state.json"
+
+
+def _spawn(name: str, cmd: list[str], env: dict[str, str], state: StackState, url: str) -> int:
+    log = stack_dir() / f"{name}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            cmd,
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=str(Path(__file__).resolve().parent.parent),
+            start_new_session=True,  # its own process group: stopped as a whole, by PID
+        )
+    state.components[name] = Component(pid=proc.pid, url=url, log=str(log))
+    state.save(state_file())
+    return proc.pid
+
+
+def _wait_tcp(port: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as sock:
+            if sock.connect_ex((HOST, port)) == 0:
+                return
+        time.sleep(0.2)
+    raise TimeoutError(f"nothing listens on {HOST}:{port} after {timeout} s")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our own exited child
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def stop_component(name: str, comp: Component, timeout: float = 20.0) -> None:
+    """SIGINT (worker) or SIGTERM to the component's process group; SIGKILL if it lingers."""
+    sig = signal.SIGINT if name == "worker" else signal.SIGTERM
+    for s in (sig, signal.SIGKILL):
+        try:
+            os.killpg(comp.pid, s)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not _alive(comp.pid):
+                return
+            time.sleep(0.2)
+
+
+def stack_up(gpus: int | None = None, deploy: bool = True, ray: bool = True) -> StackState:
+    """Start every component (idempotent: a running stack is returned as is)."""
+    existing = StackState.load(state_file())
+    if existing and all(_alive(c.pid) for c in existing.components.values()):
+        return existing
+    if existing:
+        stack_down()
+    stack_dir().mkdir(parents=True, exist_ok=True)
+    state = StackState()
+    try:
+        _start_all(state, gpus, deploy, ray)
+    except BaseException:
+        _stop_all(state)
+        state_file().unlink(missing_ok=True)
+        raise
+    return state
+
+
+def _start_all(state: StackState, gpus: int | None, deploy: bool, ray: bool) -> None:
+    home = stack_dir()
+    s3 = {**TEST_CREDENTIALS}
+    port = free_port()
+    moto_url = f"http://{HOST}:{port}"
+    pid = _spawn(
+        "moto", [str(BIN / "moto_server"), "-H", HOST, "-p", str(port)], {}, state, moto_url
+    )
+    wait_for_http(f"{moto_url}/moto-api/", 30)
+    request = urllib.request.Request(f"{moto_url}/{BUCKET}", method="PUT")
+    urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=10).close()
+    s3["AWS_ENDPOINT_URL"] = moto_url
+
+    port = free_port()
+    mlflow_url = f"http://{HOST}:{port}"
+    cmd = [str(BIN / "mlflow"), "server", "--host", HOST, "--port", str(port), "--workers", "1"]
+    cmd += ["--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}"]
+    cmd += ["--artifacts-destination", f"s3://{BUCKET}/mlflow"]
+    mlflow_env = {
+        **s3,
+        "MLFLOW_S3_ENDPOINT_URL": moto_url,
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+    }
+    _spawn("mlflow", cmd, mlflow_env, state, mlflow_url)
+
+    port = free_port()
+    prefect_url = f"http://{HOST}:{port}/api"
+    prefect_env = {
+        "PREFECT_HOME": str(home / "prefect"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    cmd = [str(BIN / "prefect"), "server", "start", "--host", HOST, "--port", str(port)]
+    pid = _spawn("prefect", cmd, prefect_env, state, prefect_url)
+    wait_for_http(f"{mlflow_url}/health", 120)
+    wait_for_http(f"{prefect_url}/health", 180)
+
+    state.env = {
+        **s3,
+        "PREFECT_API_URL": prefect_url,
+        "FLOWRL_PREFECT_API_URL": prefect_url,
+        "FLOWRL_MLFLOW_TRACKING_URI": mlflow_url,
+        "FLOWRL_STORAGE_URL": f"s3://{BUCKET}/storage",
+        "FLOWRL_HOME": str(get_settings().resolved_home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
+    if gpus is not None:
+        state.env["FLOWRL_POOL_GPUS"] = str(gpus)
+    if get_settings().scheduler_file is not None:
+        state.env["FLOWRL_SCHEDULER_FILE"] = str(get_settings().scheduler_file.resolve())
+    if ray:
+        port = free_port()
+        # A short temp dir: Ray's unix socket paths must stay under ~107 characters.
+        ray_tmp = tempfile.mkdtemp(prefix="flowrl-ray-")
+        cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", HOST]
+        cmd += ["--port", str(port), "--num-cpus", str(get_settings().ray_num_cpus)]
+        cmd += ["--num-gpus", str(gpus or 0), "--include-dashboard", "false"]
+        cmd += ["--disable-usage-stats", "--temp-dir", ray_tmp]
+        _spawn("ray", cmd, {"RAY_USAGE_STATS_ENABLED": "0"}, state, f"{HOST}:{port}")
+        _wait_tcp(port, 120)
+        # Ray 2.60 has token auth on by default; drivers joining the head must use it too.
+        state.env |= {"FLOWRL_RAY_ADDRESS": f"{HOST}:{port}", "RAY_AUTH_MODE": "token"}
+    state.save(state_file())
+    _apply_infra(state, deploy)
+    pool = _pool_name(state)
+    cmd = [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"]
+    worker_env = {
+        **state.env,
+        "PREFECT_WORKER_QUERY_SECONDS": str(WORKER_QUERY_SECONDS),
+        "PREFECT_HOME": str(stack_dir() / "worker-home"),
+    }
+    pid = _spawn("worker", cmd, worker_env, state, prefect_url)
+    time.sleep(1.0)
+    if not _alive(pid):
+        raise RuntimeError(f"the Prefect worker exited at once; see {stack_dir() / 'worker.log'}")
+
+
+def _child_env(state: StackState) -> dict[str, str]:
+    return {**os.environ, **state.env}
+
+
+def _apply_infra(state: StackState, deploy: bool) -> None:
+    """``flowrl infra up`` against the new server, in a child process (clean Prefect settings)."""
+    cmd = [sys.executable, "-m", "infra.cli", "infra", "up"]
+    if not deploy:
+        cmd.append("--no-deployments")
+    root = Path(__file__).resolve().parent.parent
+    subprocess.run(cmd, env=_child_env(state), cwd=root, check=True, stdout=subprocess.DEVNULL)
+
+
+def _pool_name(state: StackState) -> str:
+    from infra.scheduler import load_scheduler
+
+    return load_scheduler().pool.name
+
+
+def _stop_all(state: StackState) -> None:
+    for name in STOP_ORDER:
+        if name in state.components:
+            stop_component(name, state.components[name])
+
+
+def stack_down() -> list[str]:
+    """Stop what the state file lists, worker first; remove the state file."""
+    state = StackState.load(state_file())
+    if state is None:
+        return []
+    _stop_all(state)
+    state_file().unlink(missing_ok=True)
+    return [n for n in STOP_ORDER if n in state.components]
+
+
+def apply_stack_env() -> bool:
+    """Point this process at a running local stack (if any and no API is configured)."""
+    state = StackState.load(state_file())
+    if (
+        state is None
+        or os.environ.get("PREFECT_API_URL")
+        or os.environ.get("FLOWRL_PREFECT_API_URL")
+    ):
+        return False
+    os.environ.update(state.env)
+    return True

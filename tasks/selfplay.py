@@ -1,0 +1,101 @@
+"""Self-play stages: duel rollouts between agents, and head-to-head evaluation.
+
+Each agent keeps its own storage prefix (``jobs/<job>/agent-<A>``) for step records and
+checkpoints, so the per-agent reward/update tasks of ``tasks.rl`` run unchanged on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from agent_loop.coordinator import run_multiagent_episodes
+from backends.actors import PolicyRef
+from environments.gomoku_duel import GomokuDuel
+from infra.config import SelfPlayJobConfig
+from infra.storage import Storage
+from tasks.common import SeededSampler, chat_format, derived_seed, episode_metrics
+from tasks.records import save_trajectories, step_dir
+from tasks.rl import loop_limits
+from tasks.types import JobContext, RolloutBatch
+
+
+def agent_context(ctx: JobContext, agent: str) -> JobContext:
+    """The agent's own storage prefix and actor names inside the job."""
+    return dataclasses.replace(
+        ctx, name=f"{ctx.name}/agent-{agent}", run_name=f"{ctx.run_name}-{agent}"
+    )
+
+
+def _duel(
+    cfg: SelfPlayJobConfig,
+    ctx: JobContext,
+    model_uri: str,
+    policies: dict[str, PolicyRef],
+    rows: list[dict[str, Any]],
+    seed: int,
+    temperature: float | None = None,
+):
+    limits = loop_limits(cfg)
+    if temperature is not None:
+        limits = dataclasses.replace(limits, temperature=temperature)
+    samplers = {a: SeededSampler(p, derived_seed(seed, a)) for a, p in policies.items()}
+    envs = [GomokuDuel(cfg.env.task()) for _ in rows]
+    chat = chat_format(model_uri, ctx.cache_dir)
+    return envs, run_multiagent_episodes(envs, rows, samplers, chat, limits)
+
+
+@task(name="duel-rollout", cache_policy=NO_CACHE)
+def duel_rollout(
+    cfg: SelfPlayJobConfig,
+    ctx: JobContext,
+    model_uri: str,
+    policies: dict[str, PolicyRef],
+    step: int,
+) -> dict[str, Any]:
+    """``prompts_per_step`` openings × ``group_size`` games between the agents.
+
+    Returns, per trained policy, a ``RolloutBatch`` over its trajectories (both sides' for a
+    shared policy), and per-agent metrics.
+    """
+    started = time.perf_counter()
+    n, g = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+    rows = [{"first": "X" if (step + i) % 2 == 0 else "O"} for i in range(n) for _ in range(g)]
+    _, out = _duel(cfg, ctx, model_uri, policies, rows, derived_seed(cfg.seed, "duel", step))
+    metrics: dict[str, float] = {}
+    for agent, trajectories in out.items():
+        for t in trajectories:
+            t.group_id //= g  # games of one opening form a GRPO group
+        metrics |= episode_metrics(trajectories, f"agent-{agent}")
+    storage, batches = Storage(ctx.storage_url), {}
+    for owner in trained_policies(cfg):
+        trajectories = [t for a in (cfg.agents if owner == "shared" else (owner,)) for t in out[a]]
+        own = agent_context(ctx, owner)
+        rel = f"{step_dir(own.prefix, step)}/trajectories.json"
+        save_trajectories(storage, rel, trajectories)
+        batches[owner] = RolloutBatch(step, rel, {}, time.perf_counter() - started)
+    return {"batches": batches, "metrics": metrics}
+
+
+@task(name="head-to-head", cache_policy=NO_CACHE)
+def head_to_head(
+    cfg: SelfPlayJobConfig, ctx: JobContext, model_uri: str, policies: dict[str, PolicyRef]
+) -> dict[str, float]:
+    """Greedy games between the agents, each side opening half of them: X's win/draw/loss."""
+    rows = [{"first": "X"}, {"first": "O"}]
+    envs, _ = _duel(cfg, ctx, model_uri, policies, rows, seed=0, temperature=0.0)
+    winners = [env.winner() for env in envs]
+    return {
+        "h2h/x_wins": float(winners.count("X")),
+        "h2h/o_wins": float(winners.count("O")),
+        "h2h/draws": float(winners.count(None)),
+    }
+
+
+def trained_policies(cfg: SelfPlayJobConfig) -> tuple[str, ...]:
+    """The policies that learn: one shared, or one per agent."""
+    return ("shared",) if cfg.shared_policy else cfg.agents

@@ -1,0 +1,166 @@
+"""Environments in-process, as a pool of Ray actors, and behind the HTTP service (on loopback):
+the same episode gives the same trajectory in all three modes, and a service killed mid-run
+fails its episodes cleanly while the loop goes on."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zlib
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import ray
+from fakes import ByteChat, say
+
+from agent_loop.loop import LoopLimits, run_episodes
+from agent_loop.types import SampleResult, StopReason
+from environments.registry import make_task
+from environments.remote import EnvFactory, stop_env_pool
+from infra.servers import free_port, wait_for_http
+
+REPO = Path(__file__).resolve().parents[1]
+GOMOKU = {"size": 3, "win_length": 3, "move_format": "cell", "max_policy_turns": 9}
+MOVES = ["5", "1", "9", "3", "7", "2", "4", "6", "8", "5x"]  # the last one is invalid
+
+
+class PromptHashPolicy:
+    """A deterministic fake policy: the move is a function of the whole prompt so far."""
+
+    def __init__(self, on_call=None):
+        self.calls = 0
+        self.on_call = on_call
+
+    def sample(self, prompts, max_new_tokens, temperature):
+        self.calls += 1
+        if self.on_call is not None:
+            self.on_call(self.calls)
+        out = []
+        for prompt in prompts:
+            move = MOVES[zlib.crc32(bytes(t % 256 for t in prompt)) % len(MOVES)]
+            tokens = say(move)[:max_new_tokens]
+            out.append(SampleResult(tokens, [-0.5] * len(tokens), "stop"))
+        return out
+
+
+@pytest.fixture(scope="module")
+def env_service():
+    """``python -m environments.service`` on a free loopback port; stopped by PID."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "environments.service", "--port", str(port)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_for_http(f"{url}/health", timeout=60, process=proc)
+    yield url, proc
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="flowrl")
+    yield
+    ray.shutdown()
+
+
+def _play(factory, rows, policy=None, max_turns=9):
+    ids = [f"ep-{i}" for i in range(len(rows))]
+    envs = [factory(i) for i in ids]
+    limits = LoopLimits(max_turns=max_turns, max_new_tokens=4, max_context_tokens=512)
+    policy = policy or PromptHashPolicy()
+    try:
+        return run_episodes(envs, rows, list(range(len(rows))), policy, ByteChat(), limits, ids)
+    finally:
+        factory.close()
+
+
+def _comparable(trajectories):
+    return [
+        {k: v for k, v in asdict(t).items() if k != "info"} | {"info": {**t.info}}
+        for t in trajectories
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "max_turns"),
+    [("gomoku", GOMOKU, 9), ("arithmetic", {}, 1)],
+)
+def test_same_episode_same_trajectory_in_all_modes(env_service, local_ray, name, params, max_turns):
+    task = make_task(name, params)
+    rows = task.eval_set()[:6]
+    url, _ = env_service
+    runs = {
+        "local": _play(EnvFactory(name, params, "local"), rows, max_turns=max_turns),
+        "ray": _play(EnvFactory(name, params, "ray", job="t"), rows, max_turns=max_turns),
+        "http": _play(
+            EnvFactory(name, params, "http", job="t", service_url=url), rows, max_turns=max_turns
+        ),
+    }
+    stop_env_pool("t-envs", 2)
+    assert all(t.stop_reason is not StopReason.ERROR for t in runs["local"])
+    assert _comparable(runs["ray"]) == _comparable(runs["local"])
+    assert _comparable(runs["http"]) == _comparable(runs["local"])
+    if name == "gomoku":  # multi-turn games really happened
+        assert max(len(t.turn_rewards) for t in runs["local"]) >= 3
+
+
+def test_http_service_frees_episodes_and_reports_stats(env_service):
+    import httpx
+
+    url, _ = env_service
+    _play(EnvFactory("gomoku", GOMOKU, "http", job="stats", service_url=url), [{"seed": "s"}] * 3)
+    stats = httpx.get(f"{url}/stats").json()
+    assert stats["jobs"].get("stats", 0) == 0  # every episode ended or was freed by close()
+    assert stats["steps"] > 0
+
+
+def test_unknown_environment_is_refused_as_data_not_code(env_service):
+    import httpx
+
+    url, _ = env_service
+    body = {"job": "j", "episode_id": "e", "env": {"name": "__import__('os')"}, "row": {}}
+    answer = httpx.post(f"{url}/reset", json=body)
+    assert answer.status_code == 500 and "unknown environment" in answer.text
+
+
+def test_killing_the_service_mid_run_fails_episodes_cleanly():
+    """The loop returns; the episodes that needed the dead service end with ERROR, counted."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "environments.service", "--port", str(port)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_for_http(f"{url}/health", timeout=60, process=proc)
+
+    def kill_after_first_round(call: int) -> None:
+        if call == 2:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    factory = EnvFactory("gomoku", GOMOKU, "http", job="kill", service_url=url, timeout_s=5)
+    rows = make_task("gomoku", GOMOKU).eval_set()[:8]
+    trajectories = _play(factory, rows, PromptHashPolicy(on_call=kill_after_first_round))
+    failed = [t for t in trajectories if t.stop_reason is StopReason.ERROR]
+    assert failed, "games still running when the service died must fail"
+    assert all("environment service unreachable" in t.info["error"] for t in failed)
+    assert all(len(t.turn_rewards) >= 1 for t in trajectories)  # the first round was played
+
+    from tasks.common import episode_metrics
+
+    metrics = episode_metrics(trajectories, "env")
+    assert metrics["env/stop_error"] == pytest.approx(len(failed) / len(trajectories))
+
+
+def test_http_mode_needs_a_service_url():
+    from infra.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="service_url"):
+        load_config(None, ["env.mode=http"])
