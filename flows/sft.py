@@ -21,8 +21,8 @@ from infra import tracking
 from infra.settings import get_settings
 from infra.sft_config import SFTJobConfig
 from infra.storage import Storage
-from tasks.model import prepare_model
-from tasks.sft import evaluate_exact_match, prepare_data, register_sft, train_steps
+from tasks.model import prepare_model, register
+from tasks.sft import evaluate_exact_match, prepare_data, train_steps
 from tasks.types import JobContext
 
 
@@ -56,7 +56,7 @@ def sft_train(config: SFTJobConfig) -> SFTResult:
             job.log_chunk(step, chunk.losses, chunk.metrics)
             last = evaluate_exact_match.submit(config, job.ctx, base_uri, policy, data).result()
             job.log(last, step)
-        registered = register_sft.submit(config, job.ctx, policy, job.run_id, last).result()
+        registered = register.submit(config, job.ctx, policy, job.run_id, last).result()
         job.finish(registered)
     start, end = first["eval/exact_match"], last["eval/exact_match"]
     logger.info("exact match %.3f -> %.3f; registered %s", start, end, registered)

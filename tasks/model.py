@@ -107,9 +107,10 @@ def _sft_until(cfg: RLJobConfig, ctx: JobContext, base_uri: str, policy: PolicyR
 
 @task(name="register", cache_policy=NO_CACHE)
 def register(
-    cfg: RLJobConfig, ctx: JobContext, policy: PolicyRef, run_id: str, metrics: dict[str, float]
+    cfg: Any, ctx: JobContext, policy: PolicyRef, run_id: str, metrics: dict[str, float]
 ) -> str:
-    """Export the policy as an HF folder, log it to the MLflow run, register a new version."""
+    """Export the policy as an HF folder (LoRA merged), log it to the MLflow run, register a
+    new version of ``cfg.registered_model_name`` (any job config: RL, SFT, self-play)."""
     storage = Storage(ctx.storage_url)
     rel = f"{ctx.prefix}/policy"
     trainer(policy).export_pretrained(ctx.storage_url, rel)

@@ -4,7 +4,6 @@ register. Like the RL stages they call the policy's workers and pass small recor
 from __future__ import annotations
 
 import random
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +13,6 @@ from prefect.cache_policies import NO_CACHE
 
 from backends.actors import PolicyRef, sampler, sync_weights, trainer
 from environments.data import StaticSource, load_rows
-from infra import tracking
 from infra.sft_config import SFTJobConfig
 from infra.storage import Storage
 from tasks.common import chat_format
@@ -129,16 +127,3 @@ def evaluate_exact_match(
         "eval/exact_match": hits / max(len(pairs), 1),
         "eval/seconds": time.perf_counter() - start,
     }
-
-
-@task(name="sft-register", cache_policy=NO_CACHE)
-def register_sft(
-    cfg: SFTJobConfig, ctx: JobContext, policy: PolicyRef, run_id: str, metrics: dict[str, float]
-) -> str:
-    """Export the policy as an HF folder (LoRA merged), log it to the run, register a version."""
-    storage = Storage(ctx.storage_url)
-    rel = f"{ctx.prefix}/policy"
-    trainer(policy).export_pretrained(ctx.storage_url, rel)
-    with tempfile.TemporaryDirectory() as tmp:
-        storage.get_dir(rel, tmp)
-        return tracking.register_policy(run_id, tmp, cfg.registered_model_name, metrics)
