@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import deepspeed  # noqa: E402,F401  (dev extra: a missing install fails, never skips)
 import pytest
 import torch
-
-pytest.importorskip("deepspeed")
 
 from backends.deepspeed_trainer import DeepSpeedTrainer, DeepSpeedZero3Trainer  # noqa: E402
 from backends.hf_workers import HFSampler  # noqa: E402

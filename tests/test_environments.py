@@ -260,7 +260,8 @@ def test_generated_source_cursor_is_the_index():
 
 @pytest.fixture
 def s3_endpoint(monkeypatch):
-    moto_server = pytest.importorskip("moto.server")
+    import moto.server as moto_server
+
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     host, port = server.get_host_and_port()
@@ -275,7 +276,8 @@ def s3_endpoint(monkeypatch):
 
 
 def test_static_source_reads_parquet_from_s3(tmp_path, s3_endpoint):
-    s3fs = pytest.importorskip("s3fs")
+    import s3fs
+
     options = {"client_kwargs": {"endpoint_url": s3_endpoint}, "skip_instance_cache": True}
     fs = s3fs.S3FileSystem(**options)
     fs.mkdir("flowrl-data")

@@ -214,7 +214,7 @@ def test_resolve_fsspec_url_copies_once_into_the_cache(tmp_path, model_dir):
 
 
 def test_resolve_mlflow_registry_alias_and_version(tmp_path, model_dir, monkeypatch):
-    mlflow = pytest.importorskip("mlflow")
+    import mlflow
     from mlflow import MlflowClient
 
     monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")

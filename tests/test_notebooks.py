@@ -6,10 +6,8 @@ import json
 import os
 from pathlib import Path
 
-import pytest
-
-nbformat = pytest.importorskip("nbformat")
-nbclient = pytest.importorskip("nbclient")
+import nbclient  # dev extra: a missing install fails, never skips
+import nbformat
 
 REPO = Path(__file__).resolve().parents[1]
 
