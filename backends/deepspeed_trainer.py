@@ -25,7 +25,7 @@ import torch
 
 from backends.hf_workers import TorchTrainer, _trainable_state
 from backends.types import WorkerSpec
-from infra.storage import Storage, commit_checkpoint, latest_checkpoint, load_checkpoint
+from infra.storage import Storage, commit_checkpoint, load_latest_checkpoint
 
 CHECKPOINT_TAG = "flowrl"
 
@@ -123,11 +123,10 @@ class DeepSpeedTrainer(TorchTrainer):
         return commit_checkpoint(Storage(storage_url), prefix, step, files, meta)
 
     def load_state(self, storage_url: str, prefix: str) -> dict[str, Any] | None:
-        storage = Storage(storage_url)
-        step = latest_checkpoint(storage, prefix)
-        if step is None:
+        latest = load_latest_checkpoint(Storage(storage_url), prefix)
+        if latest is None:
             return None
-        files, meta = load_checkpoint(storage, prefix, step)
+        step, files, meta = latest
         with tempfile.TemporaryDirectory() as tmp:
             with tarfile.open(fileobj=io.BytesIO(files["deepspeed.tar"]), mode="r") as tar:
                 tar.extractall(tmp, filter="data")

@@ -26,7 +26,7 @@ from backends.algorithms import (
 )
 from backends.models import load_causal_lm, load_tokenizer, resolve_model_uri
 from backends.types import Datum, WorkerSpec
-from infra.storage import Storage, commit_checkpoint, latest_checkpoint, load_checkpoint
+from infra.storage import Storage, commit_checkpoint, load_latest_checkpoint
 
 
 def _device(spec: WorkerSpec) -> torch.device:
@@ -294,11 +294,10 @@ class TorchTrainer:
 
     def load_state(self, storage_url: str, prefix: str) -> dict[str, Any] | None:
         """Load the latest complete checkpoint under ``prefix``; its meta, or None if none."""
-        storage = Storage(storage_url)
-        step = latest_checkpoint(storage, prefix)
-        if step is None:
+        latest = load_latest_checkpoint(Storage(storage_url), prefix)
+        if latest is None:
             return None
-        files, meta = load_checkpoint(storage, prefix, step)
+        step, files, meta = latest
         state = load_safetensors(files["weights.safetensors"])
         _load_trainable_state(self.model, state, self.spec.lora.enabled)
         self.optimizer.load_state_dict(

@@ -320,3 +320,13 @@ def prune_checkpoints(storage: Storage, prefix: str, keep: int) -> list[int]:
         storage.delete(f"{step_dir(prefix, step)}/{MANIFEST}")
         storage.delete(step_dir(prefix, step))
     return doomed
+
+
+def load_latest_checkpoint(
+    storage: Storage, prefix: str
+) -> tuple[int, dict[str, bytes], dict] | None:
+    """``(step, files, meta)`` of the latest complete checkpoint under ``prefix``, or None."""
+    step = latest_checkpoint(storage, prefix)
+    if step is None:
+        return None
+    return (step, *load_checkpoint(storage, prefix, step))

@@ -44,9 +44,8 @@ class PromptHashPolicy:
         return out
 
 
-@pytest.fixture(scope="module")
-def env_service():
-    """``python -m environments.service`` on a free loopback port; stopped by PID."""
+def _start_service():
+    """``python -m environments.service`` on a free loopback port; returns (url, process)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "environments.service", "--port", str(port)],
@@ -56,6 +55,13 @@ def env_service():
     )
     url = f"http://127.0.0.1:{port}"
     wait_for_http(f"{url}/health", timeout=60, process=proc)
+    return url, proc
+
+
+@pytest.fixture(scope="module")
+def env_service():
+    """The environment service for the module; stopped by PID."""
+    url, proc = _start_service()
     yield url, proc
     proc.terminate()
     proc.wait(timeout=10)
@@ -130,15 +136,7 @@ def test_unknown_environment_is_refused_as_data_not_code(env_service):
 
 def test_killing_the_service_mid_run_fails_episodes_cleanly():
     """The loop returns; the episodes that needed the dead service end with ERROR, counted."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "environments.service", "--port", str(port)],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_for_http(f"{url}/health", timeout=60, process=proc)
+    url, proc = _start_service()
 
     def kill_after_first_round(call: int) -> None:
         if call == 2:
