@@ -18,7 +18,8 @@ Rewards: ``win_reward`` / ``loss_reward`` / ``draw_reward`` at the end; ``invali
 for each invalid move (bad format, off the board, occupied), answered with an explanatory
 observation and the board. ``max_invalid_moves`` invalid moves forfeit the game (a loss);
 ``max_policy_turns`` policy turns end it as a draw. Observations go to the policy as user
-messages. Info fields: ``win``, ``draw``, ``loss`` (0/1), ``invalid_moves``, ``game_length``
+messages. Info fields: ``win``, ``draw``, ``loss`` (0/1), ``invalid_moves``, ``invalid_rate``
+(invalid moves per move attempted), ``game_length``
 (stones on the board) and ``correct`` (win or draw: what warm-up and eval accuracy count).
 """
 
@@ -272,6 +273,7 @@ class GomokuEnv:
             "loss": int(loss),
             "correct": win or draw,
             "invalid_moves": self._invalid,
+            "invalid_rate": self._invalid / max(1, self._turns),
             "game_length": len(self.board.moves),
         }
 

@@ -36,6 +36,7 @@ class GomokuDuel:
         self.board = GomokuBoard(task.size, task.win_length)
         self.turn: str | None = None
         self.invalid = {"X": 0, "O": 0}
+        self.attempts = {"X": 0, "O": 0}
         self.notice = {"X": "", "O": ""}
         self.forfeit: str | None = None
 
@@ -45,6 +46,7 @@ class GomokuDuel:
         self.board = GomokuBoard(self.task.size, self.task.win_length)
         self.turn, self.forfeit = first, None
         self.invalid = {"X": 0, "O": 0}
+        self.attempts = {"X": 0, "O": 0}
         self.notice = {"X": "", "O": ""}
 
     def current_agent(self) -> str | None:
@@ -61,6 +63,7 @@ class GomokuDuel:
     def act(self, agent: str, action: str) -> StepResult:
         if agent != self.turn:
             raise RuntimeError(f"it is {self.turn}'s turn, not {agent}'s")
+        self.attempts[agent] += 1
         move = parse_move(action, self.task.move_format, self.task.size)
         try:
             if move is None:
@@ -100,6 +103,7 @@ class GomokuDuel:
         winner = self.winner() if self.turn is None else None
         return {
             "invalid_moves": self.invalid[agent],
+            "invalid_rate": self.invalid[agent] / max(1, self.attempts[agent]),
             "game_length": len(self.board.moves),
             "win": int(winner == agent),
             "loss": int(winner is not None and winner != agent),

@@ -49,6 +49,13 @@ class SchedulerSpec(_Spec):
     pool: PoolSpec
     queues: list[QueueSpec]
     gpu_limit: str = Field(default="gpu", description="Global concurrency limit counting GPUs.")
+    gpu_lease_seconds: float = Field(
+        default=60.0,
+        ge=60.0,
+        description="Lease on a job's GPU slots, renewed while it runs (every 3/4 of it). A "
+        "killed job's slots return to the pool when the lease runs out (plus up to the "
+        "server's repossessor interval). Prefect's API accepts 60 s or more.",
+    )
 
     @model_validator(mode="after")
     def _unique_queues(self) -> SchedulerSpec:
@@ -187,4 +194,12 @@ def gpu_slots(gpus: int) -> contextlib.AbstractContextManager:
     from prefect.concurrency.sync import concurrency
 
     admit(gpus)
-    return concurrency(load_scheduler().gpu_limit, occupy=gpus, strict=True)
+    spec = load_scheduler()
+    # A transient API error while renewing must not kill a training job: it logs and goes on.
+    return concurrency(
+        spec.gpu_limit,
+        occupy=gpus,
+        strict=True,
+        lease_duration=spec.gpu_lease_seconds,
+        raise_on_lease_renewal_failure=False,
+    )

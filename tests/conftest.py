@@ -101,6 +101,7 @@ def flowrl_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
 LOAD_TEST_SCHEDULER = """
 pool: {name: flowrl-test-pool, type: process, concurrency_limit: 2, gpus: 2}
 gpu_limit: gpu
+gpu_lease_seconds: 60
 queues:
   - {name: hi, priority: 1, concurrency_limit: 2}
   - {name: lo, priority: 2, concurrency_limit: 1}

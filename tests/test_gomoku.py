@@ -148,6 +148,7 @@ def test_policy_win_with_rewards_and_info():
         "loss": 0,
         "correct": False,
         "invalid_moves": 0,
+        "invalid_rate": 0.0,
         "game_length": 2,
     }
     result = _play_heuristic_x(env)
@@ -193,6 +194,7 @@ def test_occupied_cell_and_too_many_invalid_moves_forfeit():
     assert "occupied" in occupied.observation and not occupied.done
     forfeit = env.step("9,9")
     assert forfeit.done and forfeit.info["loss"] == 1 and forfeit.info["invalid_moves"] == 2
+    assert forfeit.info["invalid_rate"] == pytest.approx(2 / 3)  # 2 of its 3 moves
     assert forfeit.reward == pytest.approx(-1.0 - 0.5)
     with pytest.raises(RuntimeError, match="reset"):
         env.step("1,1")

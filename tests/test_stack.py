@@ -186,6 +186,42 @@ def test_cancel_a_running_job(stack_env, probe_deployment):
     assert jobs.wait(run_id, timeout=90).state == "CANCELLED"
 
 
+def _gpu_slots_in_use() -> int:
+    from prefect import get_client
+
+    with get_client(sync_client=True) as c:
+        return c.read_global_concurrency_limit_by_name("gpu").active_slots
+
+
+def test_a_killed_job_gives_its_gpu_slots_back(stack_env, probe_deployment):
+    """SIGKILL leaves no chance to release: the slots come back when the lease (60 s, Prefect's
+    minimum) runs out, and the next job that needs every GPU runs."""
+    import signal
+
+    jobs = JobClient()
+    run_id = jobs.submit(probe_deployment, {"seconds": 300, "gpus": 2})
+    deadline = time.monotonic() + 120
+    while _gpu_slots_in_use() < 2:
+        assert time.monotonic() < deadline, jobs.status(run_id)
+        time.sleep(0.5)
+    from uuid import UUID
+
+    from prefect import get_client
+
+    with get_client(sync_client=True) as c:
+        pid = int(str(c.read_flow_run(UUID(run_id)).infrastructure_pid).rsplit(":", 1)[-1])
+    os.kill(pid, signal.SIGKILL)
+    killed = time.monotonic()
+    while _gpu_slots_in_use() > 0:
+        assert time.monotonic() - killed < 120, "the killed job still holds its GPU slots"
+        time.sleep(0.5)
+    freed_after = time.monotonic() - killed
+    print(f"\nGPU slots of a SIGKILLed job back after {freed_after:.1f} s (lease 60 s)")
+    assert jobs.wait(run_id, timeout=60).state == "CRASHED"
+    after = jobs.submit(probe_deployment, {"seconds": 0.1, "gpus": 2})
+    assert jobs.wait(after, timeout=180).state == "COMPLETED"
+
+
 def test_stack_down_stops_every_process(local_stack, monkeypatch):
     from infra import stack
 
