@@ -6,7 +6,7 @@ PYTHON ?= python3
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.flowrl-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench bench-trl clean
 
 setup: $(STAMP)
 
@@ -28,6 +28,9 @@ lint: setup
 
 bench: setup
 	$(BIN)/python benchmarks/step_time.py --out docs/benchmarks/step_time.md
+
+bench-trl: setup
+	$(BIN)/python benchmarks/trl_compare.py --trl-threads 1 2 --out docs/benchmarks.md
 
 clean:
 	rm -rf .flowrl

@@ -14,6 +14,13 @@ Each episode goes ``PENDING → GENERATING ⇄ INTERACTING → TERMINATED``:
 
 Nothing is ever decoded and re-encoded: the token sequence is exactly what was produced.
 
+Images: an environment that implements ``get_images()`` (``environments.types.ShowsImages``)
+shows them with the observation just rendered (the first user message, or a later observation):
+the message's content becomes parts (one ``{"type": "image"}`` per image, then the text), the
+chat format renders each image as its image tokens (mask 0), the bytes go to
+``Trajectory.images`` in order, and every sampler call gets each prompt's images
+(``images=``, only when some prompt has one).
+
 Context budget rule (``max_context_tokens`` counts prompt + all turns):
 - a turn samples at most ``min(max_new_tokens, max_context_tokens - len(tokens))`` tokens;
 - the env is ALWAYS stepped with whatever the turn produced, even when the turn was cut short,
@@ -41,7 +48,7 @@ from agent_loop.types import (
     StopReason,
     Trajectory,
 )
-from environments.types import Environment
+from environments.types import Environment, shown_images
 
 OBSERVATION_ROLE_KEY = "observation_role"
 """``StepResult.info`` key naming the chat role of the observation (see module docstring)."""
@@ -118,12 +125,16 @@ def _start(episode: _Episode, row: dict[str, Any], chat: ChatFormat, limits: Loo
     try:
         user_message = episode.env.reset(**row)
         system_prompt = episode.env.get_system_prompt()
+        images = shown_images(episode.env)
     except Exception as exc:  # any env failure ends only this episode
         _fail(episode, exc)
         return
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": user_message})
+    messages: list[dict[str, Any]] = (
+        [{"role": "system", "content": system_prompt}] if system_prompt else []
+    )
+    messages.append(_message("user", user_message, images))
     episode.traj.messages.extend(messages)
+    episode.traj.images.extend(images)
     _append(episode.traj, chat.encode_prompt(messages))
     episode.traj.prompt_len = len(episode.traj.tokens)
     if _room(episode.traj, limits) < 1:
@@ -138,7 +149,11 @@ def _generate_round(
     """GENERATING: one sampler call for every generating episode, then one env step each."""
     budgets = [min(limits.max_new_tokens, _room(e.traj, limits)) for e in episodes]
     prompts = [list(e.traj.tokens) for e in episodes]
-    results = sampler.sample(prompts, max(budgets), limits.temperature)
+    images = [list(e.traj.images) for e in episodes]
+    if any(images):
+        results = sampler.sample(prompts, max(budgets), limits.temperature, images=images)
+    else:  # text-only samplers need not know about images
+        results = sampler.sample(prompts, max(budgets), limits.temperature)
     if len(results) != len(episodes):
         raise RuntimeError(f"sampler returned {len(results)} results for {len(prompts)} prompts")
     for episode, result, budget in zip(episodes, results, budgets, strict=True):
@@ -163,6 +178,7 @@ def _take_turn(
     episode.traj.messages.append({"role": "assistant", "content": action})
     try:
         step = episode.env.step(action)
+        images = [] if step.done else shown_images(episode.env)
     except Exception as exc:  # any env failure ends only this episode
         _fail(episode, exc)
         return
@@ -178,15 +194,18 @@ def _take_turn(
     elif episode.turns >= limits.max_turns:
         _terminate(episode, StopReason.MAX_TURNS)
     else:
-        _interact(episode, step.observation, role, chat, limits)
+        _interact(episode, _message(role, step.observation, images), images, chat, limits)
 
 
 def _interact(
-    episode: _Episode, observation: str, role: str, chat: ChatFormat, limits: LoopLimits
+    episode: _Episode,
+    message: dict[str, Any],
+    images: list[bytes],
+    chat: ChatFormat,
+    limits: LoopLimits,
 ) -> None:
     """INTERACTING: inject the observation (mask 0) if a reply can still fit after it."""
     episode.state = FSMState.INTERACTING
-    message = {"role": role, "content": observation}
     closing = chat.stop_token_ids[:1] if episode.truncated else []
     injected = closing + chat.encode_turn(message)
     if len(episode.traj.tokens) + len(injected) >= limits.max_context_tokens:
@@ -194,7 +213,16 @@ def _interact(
         return
     _append(episode.traj, injected)
     episode.traj.messages.append(message)
+    episode.traj.images.extend(images)
     episode.state = FSMState.GENERATING
+
+
+def _message(role: str, text: str, images: list[bytes]) -> dict[str, Any]:
+    """A chat message: plain text, or (with images) image parts followed by the text."""
+    if not images:
+        return {"role": role, "content": text}
+    parts: list[dict[str, str]] = [{"type": "image"} for _ in images]
+    return {"role": role, "content": [*parts, {"type": "text", "text": text}]}
 
 
 def _append(traj: Trajectory, tokens: list[int], logprobs: list[float] | None = None) -> None:

@@ -4,7 +4,9 @@ Token-level invariants (pinned by tests):
 - ``tokens`` is exactly the sequence that was sampled and injected, never re-encoded;
 - ``loss_mask[i] == 1`` iff ``tokens[i]`` was sampled by the policy;
 - ``logprobs[i]`` is the sampler's log-probability of ``tokens[i]`` (0.0 where the mask is 0);
-- the outcome reward sits on the last token whose mask is 1 (see ``Trajectory.token_rewards``).
+- the outcome reward sits on the last token whose mask is 1 (see ``Trajectory.token_rewards``);
+- images (vision-language policies): each image shown is in ``images``, in order, and its
+  image tokens are injected tokens (mask 0) at the place the chat format expanded them.
 """
 
 from __future__ import annotations
@@ -49,10 +51,18 @@ class SampleResult:
 
 
 class Sampler(Protocol):
-    """Generates completions for a batch of token-id prompts (actor handles are adapted to it)."""
+    """Generates completions for a batch of token-id prompts (actor handles are adapted to it).
+
+    ``images`` is passed only when some prompt shows images: ``images[i]`` are the encoded
+    images (PNG/JPEG bytes) whose image tokens ``prompts[i]`` holds, in order.
+    """
 
     def sample(
-        self, prompts: list[list[int]], max_new_tokens: int, temperature: float
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        images: list[list[bytes]] | None = None,
     ) -> list[SampleResult]: ...
 
 
@@ -61,14 +71,16 @@ class ChatFormat(Protocol):
 
     ``encode_prompt(messages)`` renders the opening messages plus the generation prompt.
     ``encode_turn(message)`` renders one more (user or tool) message plus the generation prompt;
-    concatenating the pieces equals rendering the whole conversation at once.
+    concatenating the pieces equals rendering the whole conversation at once. A message's
+    content is text, or (images) a list of parts ``{"type": "image"}`` and
+    ``{"type": "text", "text": ...}``, each image part rendered as its image tokens.
     """
 
     stop_token_ids: list[int]
 
-    def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]: ...
 
-    def encode_turn(self, message: dict[str, str]) -> list[int]: ...
+    def encode_turn(self, message: dict[str, Any]) -> list[int]: ...
 
     def decode(self, tokens: list[int]) -> str: ...
 
@@ -88,8 +100,11 @@ class Trajectory:
     turn_rewards: list[float] = field(default_factory=list)
     """Reward of each policy turn, in order."""
     stop_reason: StopReason | None = None
-    messages: list[dict[str, str]] = field(default_factory=list)
-    """The conversation as text, for logs and sample artifacts only (never trained on)."""
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """The conversation as text, for logs and sample artifacts only (never trained on); an image
+    appears as a part ``{"type": "image"}`` (its bytes are in ``images``)."""
+    images: list[bytes] = field(default_factory=list)
+    """Encoded images (PNG/JPEG) shown to the policy, in the order of their tokens in ``tokens``."""
     info: dict[str, Any] = field(default_factory=dict)
     """The last ``StepResult.info`` plus loop diagnostics (e.g. ``{"correct": True}``)."""
 

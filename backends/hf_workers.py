@@ -26,6 +26,7 @@ from backends.algorithms import (
 )
 from backends.models import load_causal_lm, load_tokenizer, resolve_model_uri
 from backends.types import Datum, WorkerSpec
+from backends.vlm import ImageInputs, copy_processor_files, vision_inputs
 from infra.storage import Storage, commit_checkpoint, load_latest_checkpoint
 
 
@@ -78,6 +79,7 @@ class HFSampler:
         self.model, self.tokenizer, self.model_path = load_policy_model(spec)
         self.model.eval()
         self.device = _device(spec)
+        self.image_inputs = ImageInputs.for_model(self.model_path)  # None: text only
         self.stop_token_ids = [self.tokenizer.eos_token_id]
         self.weights_version = 0
 
@@ -88,10 +90,14 @@ class HFSampler:
         max_new_tokens: int,
         temperature: float,
         seed: int | None = None,
+        images: list[list[bytes]] | None = None,
     ) -> list[SampleResult]:
-        """Sample one completion per prompt (temperature 0 = greedy). Prompts: B lists of ids."""
+        """Sample one completion per prompt (temperature 0 = greedy). Prompts: B lists of ids;
+        ``images[i]``: the encoded images whose tokens prompt ``i`` holds, in order."""
         if not prompts:
             return []
+        vision = vision_inputs(self.image_inputs, images, self.device)
+        unsampled = _unsampled_token_ids(self.image_inputs)
         if seed is not None:
             torch.manual_seed(seed)
         pad = self.tokenizer.pad_token_id
@@ -105,6 +111,8 @@ class HFSampler:
         out = self.model.generate(
             input_ids=ids.to(self.device),
             attention_mask=attention.to(self.device),
+            **vision,
+            suppress_tokens=unsampled or None,
             max_new_tokens=max_new_tokens,
             do_sample=not greedy,
             temperature=None if greedy else temperature,
@@ -116,7 +124,7 @@ class HFSampler:
             return_dict_in_generate=True,
         )
         new_B_T = out.sequences[:, width:].cpu()
-        logits_B_T_V = torch.stack(out.logits, dim=1).float().cpu()
+        logits_B_T_V = _without(torch.stack(out.logits, dim=1).float().cpu(), unsampled)
         scale = 1.0 if greedy else temperature
         logprobs_B_T = token_logprobs(logits_B_T_V / scale, new_B_T)
         return [self._cut(new_B_T[i], logprobs_B_T[i]) for i in range(len(prompts))]
@@ -140,6 +148,39 @@ class HFSampler:
         return self.weights_version
 
 
+def _unsampled_token_ids(image_inputs: ImageInputs | None) -> list[int]:
+    return image_inputs.unsampled_token_ids if image_inputs is not None else []
+
+
+def _without(logits_B_T_V: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
+    """The logits with ``token_ids`` at -inf (tokens the policy never samples)."""
+    if not token_ids:
+        return logits_B_T_V
+    logits_B_T_V = logits_B_T_V.clone()
+    logits_B_T_V[..., token_ids] = float("-inf")
+    return logits_B_T_V
+
+
+def _next_token_logprobs(
+    model: torch.nn.Module,
+    b: dict[str, torch.Tensor],
+    temperature: float,
+    unsampled: list[int],
+) -> torch.Tensor:
+    """``(B, T-1)`` log-probs of each next token of ``b["ids"]`` under the policy (images
+    through ``pixel_values`` when the batch has them). ``unsampled`` tokens are excluded from
+    the distribution; where one is the target (an injected image token, mask 0) the log-prob
+    is 0.0 rather than -inf, so masked sums stay finite."""
+    vision = {"pixel_values": b["pixel_values"]} if "pixel_values" in b else {}
+    logits = model(input_ids=b["ids"], attention_mask=b["attention"], **vision).logits
+    targets = b["ids"][:, 1:]
+    logprobs = token_logprobs(_without(logits[:, :-1].float(), unsampled) / temperature, targets)
+    if not unsampled:
+        return logprobs
+    injected = torch.isin(targets, torch.tensor(unsampled, device=targets.device))
+    return logprobs.masked_fill(injected, 0.0)
+
+
 class TorchTrainer:
     """AdamW on all weights or on a LoRA adapter; losses chosen by name."""
 
@@ -148,6 +189,7 @@ class TorchTrainer:
         self.model, self.tokenizer, self.model_path = load_policy_model(spec)
         self.model.train()
         self.device = _device(spec)
+        self.image_inputs = ImageInputs.for_model(self.model_path)  # None: text only
         self.optimizer = self._new_optimizer()
         self.version = 0
         self._reference: torch.nn.Module | None = None  # full-parameter KL only
@@ -159,7 +201,8 @@ class TorchTrainer:
         )
 
     def _batch(self, data: list[Datum]) -> dict[str, torch.Tensor]:
-        """Right-pad a list of Datum into B x T tensors (shifted so position t predicts t+1)."""
+        """Right-pad a list of Datum into B x T tensors (shifted so position t predicts t+1),
+        plus ``pixel_values`` of the data's images when any datum has some."""
         width = max(len(d.tokens) for d in data)
         pad = self.tokenizer.pad_token_id
         ids = torch.full((len(data), width), pad, dtype=torch.long)
@@ -181,12 +224,14 @@ class TorchTrainer:
             "old": old[:, 1:],
             "advantages": advantages,
         }
-        return {k: v.to(self.device) for k, v in batch.items()}
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        return batch | vision_inputs(self.image_inputs, [d.images for d in data], self.device)
 
     def _logprobs(self, b: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
         """Log-probs of each next token; ``temperature`` matches the sampling distribution."""
-        logits = self.model(input_ids=b["ids"], attention_mask=b["attention"]).logits
-        return token_logprobs(logits[:, :-1].float() / temperature, b["ids"][:, 1:])
+        return _next_token_logprobs(
+            self.model, b, temperature, _unsampled_token_ids(self.image_inputs)
+        )
 
     def forward_backward(
         self,
@@ -244,8 +289,9 @@ class TorchTrainer:
         if self._reference is None:
             reference = load_causal_lm(self.model_path).to(self.device).eval()
             self._reference = reference.requires_grad_(False)
-        logits = self._reference(input_ids=b["ids"], attention_mask=b["attention"]).logits
-        return token_logprobs(logits[:, :-1].float() / temperature, b["ids"][:, 1:])
+        return _next_token_logprobs(
+            self._reference, b, temperature, _unsampled_token_ids(self.image_inputs)
+        )
 
     @torch.no_grad()
     def compute_ref_logprobs(
@@ -276,6 +322,10 @@ class TorchTrainer:
     def get_weights(self) -> tuple[dict[str, torch.Tensor], int]:
         """The trainable weights (adapter only for LoRA) and their version, for weight sync."""
         return _trainable_state(self.model, self.spec.lora.enabled), self.version
+
+    def get_weights_version(self) -> int:
+        """Optimiser steps taken (restored from checkpoints): the version ``get_weights`` gives."""
+        return self.version
 
     def save_state(self, storage_url: str, prefix: str, step: int, meta: dict[str, Any]) -> str:
         """Commit a resumable checkpoint: trainable weights, optimiser, RNG, step, ``meta``."""
@@ -316,6 +366,7 @@ class TorchTrainer:
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
+            copy_processor_files(self.model_path, tmp)  # a VLM's image processor settings
             storage.put_dir(tmp, rel)
         return storage.uri(rel)
 

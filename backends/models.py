@@ -1,4 +1,5 @@
-"""Models offline: a locally trained character tokenizer, tiny random Llama models, model URIs.
+"""Models offline: a locally trained character tokenizer, tiny random Llama models (and tiny
+LLaVA vision-language models, ``backends.vlm``), model URIs.
 
 Nothing here touches a model hub. A model is a plain Hugging Face folder (``config.json``,
 ``model.safetensors``, ``tokenizer.json`` ...) that lives on local disk, on any fsspec URL
@@ -9,6 +10,7 @@ turns each of those into a local folder that ``load_tokenizer`` / ``load_causal_
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -27,6 +29,9 @@ ROLES = ("system", "user", "assistant", "tool")
 ROLE_TOKENS = tuple(f"<|{role}|>" for role in ROLES)
 SPECIAL_TOKENS = (PAD_TOKEN, UNK_TOKEN, *ROLE_TOKENS, EOS_TOKEN)
 """In id order: ``<pad>`` is 0, ``<unk>`` 1, the role tokens 2-5, ``<|end|>`` 6."""
+IMAGE_TOKEN = "<image>"
+"""Placeholder of one image in a vision-language model's prompt (added after the characters, so
+text ids are the same with and without it); the chat format repeats it once per image feature."""
 
 CHARSET = "".join(chr(c) for c in range(32, 127)) + "\n\t"
 """Printable ASCII plus newline and tab: the characters the tokenizer knows (others: <unk>)."""
@@ -60,6 +65,42 @@ Assistant tool calls (OpenAI shape ``{"type": "function", "function": {...}}``) 
 the content as ``<tool_call>{json of the function}</tool_call>``."""
 
 
+class TinyVisionSpec(BaseModel):
+    """Shape of the vision tower that makes a tiny model a LLaVA vision-language model."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    enabled: bool = Field(
+        False, description="Build a tiny LLaVA (CLIP vision tower + the Llama) that reads images."
+    )
+    image_size: int = Field(
+        32, ge=8, le=1024, description="Side in pixels images are resized and cropped to."
+    )
+    patch_size: int = Field(
+        8, ge=2, le=256, description="Vision patch side: (image_size/patch_size)^2 image tokens."
+    )
+    hidden_size: int = Field(64, ge=8, le=4096, description="Width of the vision tower.")
+    num_layers: int = Field(2, ge=1, le=48, description="Vision transformer blocks.")
+    num_heads: int = Field(
+        4, ge=1, le=64, description="Vision attention heads (must divide hidden_size)."
+    )
+    intermediate_size: int = Field(128, ge=8, le=16384, description="Width of the vision MLP.")
+
+    @model_validator(mode="after")
+    def _shapes_fit(self) -> TinyVisionSpec:
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"image_size ({self.image_size}) must be divisible by "
+                f"patch_size ({self.patch_size})"
+            )
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) must be divisible by "
+                f"num_heads ({self.num_heads})"
+            )
+        return self
+
+
 class TinyModelSpec(BaseModel):
     """Shape of a tiny random-weight causal LM built offline for tests and CPU experiments."""
 
@@ -78,6 +119,10 @@ class TinyModelSpec(BaseModel):
         256, ge=16, le=131072, description="Longest sequence (prompt + completion) in tokens."
     )
     seed: int = Field(0, ge=0, description="Seed of the random weights: same spec, same weights.")
+    vision: TinyVisionSpec = Field(
+        default_factory=TinyVisionSpec,
+        description="Vision tower; enabled = a tiny LLaVA (``backends.vlm``).",
+    )
 
     @model_validator(mode="after")
     def _heads_divide_width(self) -> TinyModelSpec:
@@ -121,14 +166,30 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def build_tiny_model(spec: TinyModelSpec, out_dir: str) -> str:
-    """Build a random-weight ``LlamaForCausalLM`` plus ``build_tokenizer()`` and save both.
+    """Build a random-weight ``LlamaForCausalLM`` plus ``build_tokenizer()`` and save both
+    (with ``spec.vision.enabled``: a tiny LLaVA and its processor, ``backends.vlm``).
 
     Deterministic: the weights depend only on ``spec`` (the global torch RNG is left untouched).
     Writes a standard HF folder (safetensors) to ``out_dir`` and returns ``out_dir``.
     """
+    if spec.vision.enabled:
+        from backends.vlm import build_tiny_vlm  # backends.vlm builds on this module
+
+        return build_tiny_vlm(spec, out_dir)
     tokenizer = build_tokenizer()
     tokenizer.model_max_length = spec.max_position_embeddings
-    config = LlamaConfig(
+    config = llama_config(spec, tokenizer)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(spec.seed)
+        model = LlamaForCausalLM(config)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+def llama_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
+    """The Llama config of ``spec`` over ``tokenizer``'s vocabulary."""
+    return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
         num_hidden_layers=spec.num_layers,
@@ -142,12 +203,6 @@ def build_tiny_model(spec: TinyModelSpec, out_dir: str) -> str:
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
     )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(spec.seed)
-        model = LlamaForCausalLM(config)
-    model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
-    return out_dir
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
@@ -156,10 +211,13 @@ def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
 
 
 def load_causal_lm(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """Load a causal LM from a local HF folder, in eval mode."""
-    from transformers import AutoModelForCausalLM
+    """Load a causal LM from a local HF folder, in eval mode; a vision-language folder (its
+    config has a ``vision_config``, e.g. LLaVA) loads as ``AutoModelForImageTextToText``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    config = json.loads((Path(path) / "config.json").read_text())
+    auto = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
+    return auto.from_pretrained(path, dtype=dtype).eval()
 
 
 # --- model URIs -------------------------------------------------------------------------------
@@ -251,6 +309,13 @@ def _download_mlflow(uri: str, cache_dir: Path) -> Path:
     return _fill_once(slot, fill)
 
 
+def pin_model_uri(uri: str) -> str:
+    """``models:/name@alias`` -> the version the alias names now (``models:/name/7``); any other
+    URI unchanged. A job pins its base model once, so that moving ``champion`` while it runs (or
+    between two jobs) never mixes versions, and caches keyed by the URI stay correct."""
+    return _pin_registry_version(uri) or uri
+
+
 def _pin_registry_version(uri: str) -> str | None:
     """``models:/name@alias`` -> ``models:/name/<version>``; a numbered version stays; else None."""
     if not uri.startswith("models:/"):
@@ -293,21 +358,39 @@ class HFChatFormat:
     With ``sanitize_control_tokens=True`` control tokens inside message text (e.g. an environment
     printing ``<|end|>``) are encoded as plain characters; pass the same flag to
     ``apply_chat_template`` wherever a whole conversation is encoded.
+
+    Images (vision-language models, ``image_seq_length > 0``): a message's content may be a list
+    of parts ``{"type": "image"}`` / ``{"type": "text", "text": ...}``; the template renders each
+    image part as one ``IMAGE_TOKEN``, which is then repeated ``image_seq_length`` times, so the
+    ids are exactly the sequence the model consumes (one token per image feature, as the model's
+    processor expands it; see ``backends.vlm.image_seq_length``).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerFast, sanitize_control_tokens: bool = False):
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerFast,
+        sanitize_control_tokens: bool = False,
+        image_seq_length: int = 0,
+    ):
         if tokenizer.eos_token_id is None:
             raise ValueError("the tokenizer has no eos token to stop generation on")
         self.tokenizer = tokenizer
         self.stop_token_ids: list[int] = [int(tokenizer.eos_token_id)]
+        self.image_seq_length = image_seq_length
+        self.image_token_id: int | None = None
+        if image_seq_length > 0:
+            image_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+            if image_id is None or image_id == tokenizer.unk_token_id:
+                raise ValueError(f"image_seq_length is set but the tokenizer has no {IMAGE_TOKEN}")
+            self.image_token_id = int(image_id)
         # Only pass the flag when set: older transformers releases do not know it.
         self._template_kwargs = {"sanitize_control_tokens": True} if sanitize_control_tokens else {}
 
-    def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """Opening messages plus the generation prompt, as token ids."""
         return self._encode(messages)
 
-    def encode_turn(self, message: dict[str, str]) -> list[int]:
+    def encode_turn(self, message: dict[str, Any]) -> list[int]:
         """One more (user or tool) message plus the generation prompt, as token ids."""
         return self._encode([message])
 
@@ -315,7 +398,13 @@ class HFChatFormat:
         """Text of ``tokens`` without special tokens (the stop token is dropped)."""
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def _encode(self, messages: list[dict[str, str]]) -> list[int]:
+    def _encode(self, messages: list[dict[str, Any]]) -> list[int]:
+        has_parts = any(isinstance(m.get("content"), list) for m in messages)
+        if has_parts and self.image_token_id is None:
+            raise ValueError(
+                "a message carries content parts (images) but this model reads text only; "
+                "use a vision-language model (model.tiny.vision.enabled)"
+            )
         encoded = self.tokenizer.apply_chat_template(
             messages,
             add_generation_prompt=True,
@@ -326,4 +415,7 @@ class HFChatFormat:
         # transformers 5 returns a BatchEncoding by default; be robust to either shape.
         if isinstance(encoded, Mapping):
             encoded = encoded["input_ids"]
-        return [int(t) for t in encoded]
+        if self.image_token_id is None:
+            return [int(t) for t in encoded]
+        image, n = self.image_token_id, self.image_seq_length
+        return [int(u) for t in encoded for u in ([t] * n if t == image else [t])]

@@ -15,12 +15,15 @@ class Datum:
     ``tokens``, ``loss_mask`` and ``old_logprobs`` have the sequence length T; ``loss_mask``
     selects the tokens that carry loss. ``advantage`` (one per sequence: outcome rewards) and
     ``old_logprobs`` (the sampler's, 0.0 where the mask is 0) are only read by policy losses.
+    ``images`` (vision-language models) are the encoded images whose image tokens ``tokens``
+    holds, in order (``Trajectory.images``).
     """
 
     tokens: list[int]
     loss_mask: list[int]
     advantage: float = 0.0
     old_logprobs: list[float] = field(default_factory=list)
+    images: list[bytes] = field(default_factory=list)
 
 
 class LoraSettings(BaseModel):

@@ -81,8 +81,13 @@ class VLLMSampler:
         max_new_tokens: int,
         temperature: float,
         seed: int | None = None,
+        images: list[list[bytes]] | None = None,
     ) -> list[SampleResult]:
         """Sample one completion per prompt (temperature 0 = greedy). Prompts: B lists of ids."""
+        if images and any(images):
+            raise NotImplementedError(
+                "the vLLM sampler does not take images yet: use resources.sampler_backend 'hf'"
+            )
         from vllm import SamplingParams
 
         if not prompts:

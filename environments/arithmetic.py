@@ -72,6 +72,13 @@ class ArithmeticTask(BaseModel):
     system_prompt: str = Field(
         "", description="System prompt shown to the policy (keep it short or empty)."
     )
+    answer_width: int = Field(
+        0,
+        ge=0,
+        le=1024,
+        description="SFT answers are right-padded with spaces to this many characters (the "
+        "reward strips them): long answers make generation dominate, for benchmarks; 0 = none.",
+    )
 
     @model_validator(mode="after")
     def _check_ranges(self) -> ArithmeticTask:
@@ -134,7 +141,7 @@ class ArithmeticTask(BaseModel):
         messages = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return messages + [
             {"role": "user", "content": row["question"]},
-            {"role": "assistant", "content": str(row["answer"])},
+            {"role": "assistant", "content": str(row["answer"]).ljust(self.answer_width)},
         ]
 
     def make_env(self) -> ArithmeticEnv:

@@ -7,6 +7,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from environments.arithmetic import ArithmeticTask
+from environments.geometry import GeometryTask
 from environments.gomoku import GomokuTask
 from environments.tool_math import ToolMathTask
 
@@ -14,6 +15,7 @@ ENVIRONMENTS: dict[str, type[BaseModel]] = {
     "arithmetic": ArithmeticTask,
     "tool_math": ToolMathTask,
     "gomoku": GomokuTask,
+    "geometry": GeometryTask,
 }
 """Name → task-config class; a task config offers ``make_env``, ``train_source``, ``eval_set``."""
 

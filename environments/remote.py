@@ -4,7 +4,8 @@ service (``environments.service``) — chosen by ``env.mode`` in the job config.
 All three build the environment the same way (registry name + parameters + data row), so with a
 fixed seed an episode gives the same trajectory in every mode. A remote failure (service down,
 actor dead, environment raising) raises from ``reset``/``step``: the agent loop then fails that
-episode alone and the job goes on.
+episode alone and the job goes on. Images an environment shows (``get_images``) come back
+with each answer (as base64 on the HTTP wire, ``environments.types.to_wire``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import httpx
 import ray
 
 from environments.registry import make_task
-from environments.types import Environment, StepResult
+from environments.types import Environment, StepResult, from_wire, shown_images, to_wire
 
 EnvMode = Literal["local", "ray", "http"]
 
@@ -35,12 +36,17 @@ class _Remote:
     system_prompt: str = ""
     first_message: str = ""
     done: bool = False
+    images: list[bytes] = field(default_factory=list)
+    """Images shown with the latest observation."""
 
     def get_system_prompt(self) -> str:
         return self.system_prompt
 
     def get_initial_user_message(self) -> str:
         return self.first_message
+
+    def get_images(self) -> list[bytes]:
+        return list(self.images)
 
 
 @dataclass
@@ -61,14 +67,17 @@ class HTTPEnv(_Remote):
         return response.json()
 
     def reset(self, **row: Any) -> str:
-        body = {"job": self.job, "episode_id": self.episode_id, "env": self.spec, "row": row}
-        answer = self._post("/reset", body)
+        body = {"job": self.job, "episode_id": self.episode_id, "env": self.spec}
+        answer = self._post("/reset", body | {"row": to_wire(row)})
         self.system_prompt, self.first_message = answer["system_prompt"], answer["observation"]
+        self.images = from_wire(answer.get("images", []))
         return self.first_message
 
     def step(self, action: str) -> StepResult:
         body = {"job": self.job, "episode_id": self.episode_id, "action": action}
-        result = StepResult(**self._post("/step", body))
+        answer = self._post("/step", body)
+        self.images = from_wire(answer.pop("images", []))
+        result = StepResult(**answer)
         self.done = result.done
         return result
 
@@ -86,17 +95,22 @@ class EnvActor:
     def __init__(self) -> None:
         self.episodes: dict[str, Environment] = {}
 
-    def reset(self, episode_id: str, spec: dict[str, Any], row: dict[str, Any]) -> tuple[str, str]:
+    def reset(
+        self, episode_id: str, spec: dict[str, Any], row: dict[str, Any]
+    ) -> tuple[str, str, list[bytes]]:
+        """(first observation, system prompt, images shown with it)."""
         env = make_task(spec["name"], spec["params"]).make_env()
         observation = env.reset(**row)
         self.episodes[episode_id] = env
-        return observation, env.get_system_prompt()
+        return observation, env.get_system_prompt(), shown_images(env)
 
     def step(self, episode_id: str, action: str) -> dict[str, Any]:
-        result = self.episodes[episode_id].step(action)
+        """The ``StepResult`` as a dict, plus ``images`` shown with its observation."""
+        env = self.episodes[episode_id]
+        result = env.step(action)
         if result.done:
             self.episodes.pop(episode_id, None)
-        return asdict(result)
+        return asdict(result) | {"images": [] if result.done else shown_images(env)}
 
     def end(self, episode_id: str) -> None:
         self.episodes.pop(episode_id, None)
@@ -119,13 +133,15 @@ class RayEnv(_Remote):
             raise RemoteEnvError(f"environment actor failed: {exc}") from exc
 
     def reset(self, **row: Any) -> str:
-        self.first_message, self.system_prompt = self._call(
+        self.first_message, self.system_prompt, self.images = self._call(
             "reset", self.episode_id, self.spec, row
         )
         return self.first_message
 
     def step(self, action: str) -> StepResult:
-        result = StepResult(**self._call("step", self.episode_id, action))
+        answer = self._call("step", self.episode_id, action)
+        self.images = answer.pop("images", [])
+        result = StepResult(**answer)
         self.done = result.done
         return result
 

@@ -3,8 +3,12 @@
     python -m environments.service --host 127.0.0.1 --port 8765
 
 Endpoints (JSON):
-- ``POST /reset``  {job, episode_id, env: {name, params}, row} → {observation, system_prompt}
-- ``POST /step``   {job, episode_id, action} → {observation, reward, done, info}
+- ``POST /reset``  {job, episode_id, env: {name, params}, row} → {observation, system_prompt,
+  images}
+- ``POST /step``   {job, episode_id, action} → {observation, reward, done, info, images}
+
+Bytes (images in rows, images shown with an observation) travel as ``{"$base64": "..."}``
+(``environments.types.to_wire`` / ``from_wire``).
 - ``DELETE /episodes/{job}/{episode_id}`` → ends an episode early
 - ``GET /stats``   → {"episodes": live episodes, "jobs": {job: live episodes}, "steps": total}
 - ``GET /health``
@@ -25,7 +29,7 @@ from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
 from environments.registry import make_task
-from environments.types import Environment
+from environments.types import Environment, from_wire, shown_images, to_wire
 
 
 class EnvSpec(BaseModel):
@@ -63,29 +67,35 @@ def create_app(max_episodes: int = 100_000) -> FastAPI:
         return {"status": "ok"}
 
     @app.post("/reset")
-    def reset(req: ResetRequest) -> dict[str, str]:
+    def reset(req: ResetRequest) -> dict[str, Any]:
         if len(episodes) >= max_episodes:
             raise HTTPException(503, f"too many live episodes ({max_episodes})")
         try:
             env = make_task(req.env.name, req.env.params).make_env()
-            observation = env.reset(**req.row)
+            observation = env.reset(**from_wire(req.row))
+            images = shown_images(env)
         except Exception as exc:  # the episode fails, not the service
             raise HTTPException(500, f"reset failed: {exc!r}") from exc
         episodes[(req.job, req.episode_id)] = env
-        return {"observation": observation, "system_prompt": env.get_system_prompt()}
+        return {
+            "observation": observation,
+            "system_prompt": env.get_system_prompt(),
+            "images": to_wire(images),
+        }
 
     @app.post("/step")
     def step(req: StepRequest) -> dict[str, Any]:
         env = episode(req.job, req.episode_id)
         try:
             result = env.step(req.action)
+            images = [] if result.done else shown_images(env)
         except Exception as exc:
             episodes.pop((req.job, req.episode_id), None)
             raise HTTPException(500, f"step failed: {exc!r}") from exc
         counters["steps"] += 1
         if result.done:
             episodes.pop((req.job, req.episode_id), None)
-        return asdict(result)
+        return asdict(result) | {"images": to_wire(images)}
 
     @app.delete("/episodes/{job}/{episode_id}")
     def end(job: str, episode_id: str) -> dict[str, bool]:

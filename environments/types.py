@@ -7,6 +7,7 @@ cross Ray and Prefect boundaries.
 
 from __future__ import annotations
 
+import base64
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -40,6 +41,51 @@ class Environment(Protocol):
     def get_system_prompt(self) -> str: ...
 
     def get_initial_user_message(self) -> str: ...
+
+
+@runtime_checkable
+class ShowsImages(Protocol):
+    """An environment that shows images (to vision-language policies) implements this too.
+
+    ``get_images()`` returns the images shown with the latest observation — the first user
+    message after ``reset``, the observation after ``step`` — as encoded bytes (PNG/JPEG), in
+    order; ``[]`` when that observation is text only. The agent loop reads it after each reset
+    and step; environments without the method show no images.
+    """
+
+    def get_images(self) -> list[bytes]: ...
+
+
+def shown_images(env: Any) -> list[bytes]:
+    """The images ``env`` shows with its latest observation ([] if it shows none)."""
+    get_images = getattr(env, "get_images", None)
+    return [bytes(image) for image in get_images()] if get_images is not None else []
+
+
+WIRE_BYTES_KEY = "$base64"
+"""JSON form of a bytes value on the wire (HTTP service): ``{"$base64": "<base64 text>"}``."""
+
+
+def to_wire(value: Any) -> Any:
+    """``value`` with every bytes inside (dicts, lists) as ``{WIRE_BYTES_KEY: base64}``: JSON."""
+    if isinstance(value, bytes | bytearray):
+        return {WIRE_BYTES_KEY: base64.b64encode(value).decode("ascii")}
+    if isinstance(value, dict):
+        return {k: to_wire(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_wire(v) for v in value]
+    return value
+
+
+def from_wire(value: Any) -> Any:
+    """Inverse of ``to_wire``."""
+    if isinstance(value, dict):
+        if set(value) == {WIRE_BYTES_KEY}:
+            return base64.b64decode(value[WIRE_BYTES_KEY])
+        return {k: from_wire(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_wire(v) for v in value]
+    return value
 
 
 @runtime_checkable

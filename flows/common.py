@@ -4,10 +4,11 @@ context, its MLflow run, its policy workers, progress and step bookkeeping."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.futures import PrefectFuture
 from prefect.runtime import flow_run
 from prefect_ray import RayTaskRunner
 from tqdm import tqdm
@@ -18,7 +19,8 @@ from infra import tracking
 from infra.config import RLJobConfig
 from infra.settings import get_settings
 from infra.storage import Storage
-from tasks.types import JobContext, ScoredBatch
+from tasks.rl import weight_sync
+from tasks.types import JobContext, RolloutBatch, ScoredBatch
 
 
 def task_runner() -> RayTaskRunner:
@@ -127,6 +129,9 @@ class JobRun:
         wall = now - self._last_tick
         self._last_tick = now
         inside = stats.get("time/update_s", 0.0) + scored.metrics.get("time/rollout_s", 0.0)
+        if "time/rollout_ahead_s" in stats:  # the next rollout ran alongside reward + update
+            update_s = scored.metrics.get("time/reward_s", 0.0) + stats.get("time/update_s", 0.0)
+            inside = max(stats["time/rollout_ahead_s"], update_s) + stats["time/sync_s"]
         metrics = {**scored.metrics, **stats, "time/step_s": wall, "time/overhead_s": wall - inside}
         self.log(metrics, step + 1)
         if step % 10 == 0 and scored.samples:
@@ -152,3 +157,51 @@ class JobRun:
             f"{self.ctx.prefix}/result.json", {"model_uri": model_uri, "mlflow_run_id": self.run_id}
         )
         tracking.end_run(self.run_id)
+
+
+class RolloutStream:
+    """The run's rollouts, each started ``ahead`` steps before its update
+    (``schedule.off_policy_steps``).
+
+    ``ahead=0``: step n's rollout starts when ``take(n)`` is called, after update n-1 and its
+    weight sync: on-policy. ``ahead=1``: as soon as step n's batch is in, step n+1's rollout
+    starts on the sampler, so it runs while update n runs on the trainer; ``settle`` then waits
+    for it and syncs the weights. Each batch is sampled by weights one update behind the trainer
+    (staleness 1; the first step and the first step after a resume: 0).
+
+    Between ``settle`` and the next ``take`` nothing runs: eval and checkpoints see the sampler
+    equal to the trainer. A checkpoint's cursor is that of the last *trained* batch, so the
+    rollout sampled ahead is not in it: a resumed run samples that step again, from the
+    checkpoint's weights.
+    """
+
+    def __init__(
+        self,
+        start_rollout: Callable[[int, dict | None], PrefectFuture],
+        cursor: dict | None,
+        ahead: int,
+        total_steps: int,
+    ):
+        self._start = start_rollout
+        self._cursor = cursor
+        self._ahead = ahead
+        self._total = total_steps
+        self._pending: PrefectFuture | None = None
+
+    def take(self, step: int) -> RolloutBatch:
+        """Step ``step``'s batch; with ``ahead=1`` also starts step ``step + 1``'s rollout."""
+        future = self._pending or self._start(step, self._cursor)
+        batch = future.result()
+        self._cursor, self._pending = batch.cursor, None
+        if self._ahead and step + 1 < self._total:
+            self._pending = self._start(step + 1, batch.cursor)
+        return batch
+
+    def settle(self, policy: PolicyRef) -> dict[str, float]:
+        """After an update: wait for the rollout sampled ahead, then sync the weights (with
+        ``ahead=0`` the update has synced them already). Returns timing metrics."""
+        if not self._ahead:
+            return {}
+        ahead_s = self._pending.result().seconds if self._pending is not None else 0.0
+        # Called, not submitted: a task run in the flow process (~5 ms, not a Ray task's ~150).
+        return weight_sync(policy) | {"time/rollout_ahead_s": ahead_s}

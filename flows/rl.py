@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from prefect import flow, get_run_logger
 
-from flows.common import JobRun, task_runner
+from flows.common import JobRun, RolloutStream, task_runner
 from infra.config import RLJobConfig
 from infra.scheduler import gpu_slots
 from tasks.model import prepare_model, register, warmup
@@ -53,10 +53,17 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
             start_eval = evaluate.submit(config, job.ctx, model_uri, policy).result()
             acc_start = start_eval.accuracy
             job.log(start_eval.metrics(), step=0)
+        rollouts = RolloutStream(
+            lambda step, at: rollout.submit(config, job.ctx, model_uri, policy, step, at),
+            cursor,
+            ahead=config.schedule.off_policy_steps,
+            total_steps=config.schedule.steps,
+        )
         for step in job.steps(start):
-            batch = rollout.submit(config, job.ctx, model_uri, policy, step, cursor).result()
+            batch = rollouts.take(step)  # off_policy_steps 1: starts step + 1's rollout too
             scored = score.submit(config, job.ctx, batch).result()
             stats = update.submit(config, job.ctx, policy, scored).result()
+            stats |= rollouts.settle(policy)  # then eval and checkpoints see no rollout running
             cursor = batch.cursor
             job.record_step(step, scored, stats)
             if job.due(step, config.schedule.eval_every):

@@ -58,8 +58,9 @@ class EnvSection(_Section):
 class ModelSection(_Section):
     source: str = Field(
         default="tiny",
-        description="'tiny' (build a tiny Llama offline from `tiny`) or a model URI: local HF "
-        "folder, s3://… folder, or models:/name@alias.",
+        description="'tiny' (build a tiny Llama offline from `tiny`; a tiny LLaVA with "
+        "`tiny.vision.enabled`) or a model URI: local HF folder, s3://… folder, or "
+        "models:/name@alias.",
     )
     tiny: TinyModelSpec = Field(default_factory=TinyModelSpec, description="Tiny model shape.")
     lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA or full RL.")
@@ -164,6 +165,15 @@ class ScheduleSection(_Section):
     eval_every: int = Field(default=25, ge=1, description="Steps between held-out evaluations.")
     checkpoint_every: int = Field(default=50, ge=1, description="Steps between checkpoints.")
     keep_checkpoints: int = Field(default=2, ge=1, description="Complete checkpoints kept.")
+    off_policy_steps: int = Field(
+        default=0,
+        ge=0,
+        le=1,
+        description="Rollouts sampled ahead of their update. 0: on-policy (rollout, update, "
+        "weight sync, in turn). 1: the next step's rollout runs on the sampler while this step's "
+        "update runs on the trainer, and the weights are synced once both end (staleness at most "
+        "1 update; the loss clips the ratio to the sampler's log-probs).",
+    )
 
 
 class ResourcesSection(_Section):
@@ -209,6 +219,16 @@ class RLJobConfig(_Section):
     @property
     def registered_model_name(self) -> str:
         return self.register_as or self.name
+
+    @model_validator(mode="after")
+    def _images_need_a_vision_model(self) -> RLJobConfig:
+        shows_images = getattr(ENVIRONMENTS[self.env.name], "shows_images", False)
+        if shows_images and self.model.source == "tiny" and not self.model.tiny.vision.enabled:
+            raise ValueError(
+                f"env {self.env.name!r} shows images: set model.tiny.vision.enabled (a tiny "
+                "LLaVA) or a vision-language model.source"
+            )
+        return self
 
 
 class ConfigError(ValueError):
@@ -311,4 +331,6 @@ class SelfPlayJobConfig(RLJobConfig):
             raise ValueError(f"self-play needs env.name 'gomoku', got {self.env.name!r}")
         if self.env.mode != "local":
             raise ValueError("self-play runs its games in the rollout task (env.mode 'local')")
+        if self.schedule.off_policy_steps:
+            raise ValueError("self-play runs on-policy (schedule.off_policy_steps 0)")
         return self

@@ -12,16 +12,20 @@ from agent_loop.loop import LoopLimits, run_episodes
 from agent_loop.types import SampleResult, Trajectory
 from backends.actors import PolicyRef, sampler
 from backends.models import HFChatFormat, load_tokenizer, resolve_model_uri
+from backends.vlm import image_seq_length
 from environments.types import Environment
 from tasks.types import EvalResult
 
 
 @lru_cache(maxsize=8)
 def chat_format(model_uri: str, cache_dir: str) -> HFChatFormat:
-    """The policy's chat format (tokenizer only: tasks never load weights)."""
-    tokenizer = load_tokenizer(resolve_model_uri(model_uri, cache_dir))
+    """The policy's chat format (tokenizer and processor settings only: tasks never load
+    weights); a vision-language model's format expands each image to its image tokens."""
+    path = resolve_model_uri(model_uri, cache_dir)
     # Environment text that happens to contain "<|end|>" stays text, never a control token.
-    return HFChatFormat(tokenizer, sanitize_control_tokens=True)
+    return HFChatFormat(
+        load_tokenizer(path), sanitize_control_tokens=True, image_seq_length=image_seq_length(path)
+    )
 
 
 def stable_hash(*parts: Any, length: int = 12) -> str:
@@ -47,11 +51,17 @@ class SeededSampler:
         self._calls = 0
 
     def sample(
-        self, prompts: list[list[int]], max_new_tokens: int, temperature: float
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        images: list[list[bytes]] | None = None,
     ) -> list[SampleResult]:
         seed = derived_seed(self._base_seed, self._calls)
         self._calls += 1
-        return self._worker.sample(prompts, max_new_tokens, temperature, seed)
+        if images is None:  # text only: the call every sampler backend understands
+            return self._worker.sample(prompts, max_new_tokens, temperature, seed)
+        return self._worker.sample(prompts, max_new_tokens, temperature, seed, images=images)
 
 
 def run_group_episodes(

@@ -9,7 +9,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from backends.actors import PolicyRef, start_policy, stop_policy, sync_weights, trainer
-from backends.models import build_tiny_model
+from backends.models import build_tiny_model, pin_model_uri
 from backends.types import Datum, WorkerSpec
 from infra import tracking
 from infra.config import RLJobConfig
@@ -23,23 +23,32 @@ DONE_MARKER = "DONE.json"
 
 @task(name="prepare-model", cache_policy=NO_CACHE)
 def prepare_model(cfg: RLJobConfig, ctx: JobContext) -> str:
-    """The base model's URI: ``model.source`` as given, or a tiny model built once into storage."""
+    """The base model's URI: ``model.source`` (a registry alias pinned to the version it names
+    now), or a tiny model built once into storage."""
     if cfg.model.source != "tiny":
-        return cfg.model.source
+        return pin_model_uri(cfg.model.source)
     storage = Storage(ctx.storage_url)
-    rel = f"models/tiny-{stable_hash(cfg.model.tiny.model_dump())}"
+    spec = cfg.model.tiny
+    # A text model's key leaves the (disabled) vision section out: the same key as before it.
+    shape = spec.model_dump(exclude=None if spec.vision.enabled else {"vision"})
+    rel = f"models/tiny-{stable_hash(shape)}"
     if not storage.exists(f"{rel}/{DONE_MARKER}"):
         with tempfile.TemporaryDirectory() as tmp:
-            build_tiny_model(cfg.model.tiny, tmp)
+            build_tiny_model(spec, tmp)
             storage.put_dir(tmp, rel)
-        storage.write_json(f"{rel}/{DONE_MARKER}", cfg.model.tiny.model_dump())
+        storage.write_json(f"{rel}/{DONE_MARKER}", shape)
     return storage.uri(rel)
 
 
-def sft_datum(chat: Any, messages: list[dict[str, str]]) -> Datum:
+def sft_datum(chat: Any, messages: list[dict[str, Any]]) -> Datum:
     """A conversation as the agent loop would have produced it: every assistant message is
     trained on (mask 1) exactly as the sampler emits it (content + stop token); the opening
-    messages and every later user/tool message are injected (mask 0) with ``encode_turn``."""
+    messages and every later user/tool message are injected (mask 0) with ``encode_turn``.
+
+    Images: a user/tool message's content may be parts where an image part carries its
+    encoded bytes, ``{"type": "image", "image": b"..."}``; they become ``Datum.images`` in
+    order and the part is rendered (as its image tokens) exactly as the agent loop renders it."""
+    messages, images = _split_images(messages)
     first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     tokens = chat.encode_prompt(messages[:first])
     mask = [0] * len(tokens)
@@ -50,7 +59,24 @@ def sft_datum(chat: Any, messages: list[dict[str, str]]) -> Datum:
         else:
             piece, flag = chat.encode_turn(message), 0
         tokens, mask = tokens + piece, mask + [flag] * len(piece)
-    return Datum(tokens, mask)
+    return Datum(tokens, mask, images=images)
+
+
+def _split_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """The messages with image parts reduced to ``{"type": "image"}``, and the images' bytes."""
+    images: list[bytes] = []
+    out = []
+    for message in messages:
+        if isinstance(message.get("content"), list):
+            parts = []
+            for part in message["content"]:
+                if part.get("type") == "image":
+                    images.append(bytes(part["image"]))
+                    part = {"type": "image"}
+                parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    return out, images
 
 
 @task(name="warmup", cache_policy=NO_CACHE)

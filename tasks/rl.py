@@ -14,7 +14,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from agent_loop.loop import LoopLimits
-from backends.actors import PolicyRef, sync_weights, trainer
+from backends.actors import PolicyRef, sampler, sync_weights, trainer
 from backends.algorithms import get_advantage_estimator, kl_penalized_rewards
 from backends.types import Datum
 from environments.remote import env_factory_for
@@ -57,6 +57,7 @@ def rollout(
     if cursor:
         source.load_state(cursor)
     rows = source.next_batch(cfg.rollout.prompts_per_step)
+    version = sampler(policy).get_weights_version()
     trajectories = run_group_episodes(
         env_factory_for(cfg.env, ctx.run_name),
         rows,
@@ -67,14 +68,17 @@ def rollout(
         seed=derived_seed(cfg.seed, "rollout", step),
         id_prefix=f"s{step}",
     )
+    if sampler(policy).get_weights_version() != version:  # a sync mid-rollout mixes two policies
+        raise RuntimeError(f"step {step}: the sampler's weights changed during the rollout")
     rel = f"{step_dir(ctx.prefix, step)}/trajectories.json"
     save_trajectories(Storage(ctx.storage_url), rel, trajectories)
-    return RolloutBatch(step, rel, source.state(), time.perf_counter() - start)
+    return RolloutBatch(step, rel, source.state(), time.perf_counter() - start, version)
 
 
 @task(name="reward", cache_policy=NO_CACHE)
 def score(cfg: RLJobConfig, ctx: JobContext, batch: RolloutBatch) -> ScoredBatch:
     """Episode returns → advantages → training data (failed episodes are left out)."""
+    start = time.perf_counter()
     storage = Storage(ctx.storage_url)
     trajectories = load_trajectories(storage, batch.trajectories)
     ok = [t for t in trajectories if not t.failed]
@@ -85,12 +89,13 @@ def score(cfg: RLJobConfig, ctx: JobContext, batch: RolloutBatch) -> ScoredBatch
         "time/rollout_s": batch.seconds,
     }
     if not ok:
-        return ScoredBatch(batch.step, None, {**metrics, "reward/mean": 0.0})
+        metrics |= {"reward/mean": 0.0, "time/reward_s": time.perf_counter() - start}
+        return ScoredBatch(batch.step, None, metrics, weights_version=batch.weights_version)
     rewards_N = torch.tensor([t.reward for t in ok], dtype=torch.float32)
     groups_N = torch.tensor([t.group_id for t in ok])
     advantages_N = get_advantage_estimator(cfg.algorithm.advantage)(rewards_N, groups_N)
     data = [
-        Datum(t.tokens, t.loss_mask, float(a), t.logprobs)
+        Datum(t.tokens, t.loss_mask, float(a), t.logprobs, t.images)
         for t, a in zip(ok, advantages_N.tolist(), strict=True)
     ]
     correct = [bool(t.info.get("correct", t.reward > 0)) for t in ok]
@@ -105,7 +110,8 @@ def score(cfg: RLJobConfig, ctx: JobContext, batch: RolloutBatch) -> ScoredBatch
     if _kl_in_reward(cfg):  # the update stage re-scores with the reference model's KL
         groups = {"rewards": rewards_N.tolist(), "group_ids": groups_N.tolist()}
         storage.write_json(f"{step_dir(ctx.prefix, batch.step)}/rewards.json", groups)
-    return ScoredBatch(batch.step, rel, metrics, samples[:4])
+    metrics["time/reward_s"] = time.perf_counter() - start
+    return ScoredBatch(batch.step, rel, metrics, samples[:4], batch.weights_version)
 
 
 def _kl_in_reward(cfg: RLJobConfig) -> bool:
@@ -135,7 +141,7 @@ def _penalise_with_kl(
     groups_N = torch.tensor(rewards["group_ids"])
     advantages_N = get_advantage_estimator(alg.advantage)(penalised_N, groups_N)
     data = [
-        Datum(d.tokens, d.loss_mask, float(a), d.old_logprobs)
+        Datum(d.tokens, d.loss_mask, float(a), d.old_logprobs, d.images)
         for d, a in zip(data, advantages_N.tolist(), strict=True)
     ]
     return data, {"kl_ref": float(kl_N.mean()), "reward_penalised": float(penalised_N.mean())}
@@ -145,26 +151,62 @@ def _penalise_with_kl(
 def update(
     cfg: RLJobConfig, ctx: JobContext, policy: PolicyRef, scored: ScoredBatch
 ) -> dict[str, float]:
-    """One optimiser step on the scored batch, then weight sync trainer → sampler."""
+    """One optimiser step on the scored batch, then weight sync trainer → sampler.
+
+    With ``schedule.off_policy_steps: 1`` the next step's rollout is still running on the
+    sampler: the flow syncs once it ends (``weight_sync``), so no rollout mixes two policies.
+    """
     start = time.perf_counter()
     storage = Storage(ctx.storage_url)
     if scored.data is None:
         return {"train/skipped": 1.0, "time/update_s": time.perf_counter() - start}
     worker = trainer(policy)
+    staleness = _staleness(cfg, worker, scored)
     data = load_data(storage, scored.data)
     kl_metrics: dict[str, float] = {}
     if _kl_in_reward(cfg):
         rewards = storage.read_json(f"{step_dir(ctx.prefix, scored.step)}/rewards.json")
         data, kl_metrics = _penalise_with_kl(cfg, worker, data, rewards)
     loss_config = cfg.algorithm.loss_config()
+    computed = time.perf_counter()
     metrics = worker.forward_backward(
         data, cfg.algorithm.loss, loss_config, cfg.rollout.temperature
     )
-    metrics |= worker.optim_step() | kl_metrics
-    sync_weights(policy)
+    metrics |= worker.optim_step() | kl_metrics | staleness
+    trained = time.perf_counter()
+    if cfg.schedule.off_policy_steps == 0:
+        sync_weights(policy)
+    synced = time.perf_counter()
     storage.delete(step_dir(ctx.prefix, scored.step))  # the step's records are consumed
     out = {f"train/{k}": float(v) for k, v in metrics.items()}
-    return out | {"time/update_s": time.perf_counter() - start}
+    return out | {
+        "time/train_s": trained - computed,
+        "time/sync_s": synced - trained,
+        "time/update_s": time.perf_counter() - start,
+    }
+
+
+def _staleness(cfg: RLJobConfig, worker: Any, scored: ScoredBatch) -> dict[str, float]:
+    """Updates the trainer has taken since the weights that sampled ``scored``; more than
+    ``schedule.off_policy_steps`` is a bug in the pipeline, and fails the step."""
+    if scored.weights_version is None:  # e.g. self-play's duel rollouts do not record it
+        return {}
+    trainer_version = worker.get_weights_version()
+    staleness = trainer_version - scored.weights_version
+    if not 0 <= staleness <= cfg.schedule.off_policy_steps:
+        raise RuntimeError(
+            f"step {scored.step}: sampled by weights v{scored.weights_version}, trainer at "
+            f"v{trainer_version}: staleness {staleness} outside 0..{cfg.schedule.off_policy_steps}"
+        )
+    return {"staleness": float(staleness)}
+
+
+@task(name="sync", cache_policy=NO_CACHE)
+def weight_sync(policy: PolicyRef) -> dict[str, float]:
+    """Weight sync trainer → sampler once no rollout is running (off-policy pipeline)."""
+    start = time.perf_counter()
+    sync_weights(policy)
+    return {"time/sync_s": time.perf_counter() - start}
 
 
 @task(name="eval", cache_policy=NO_CACHE)

@@ -37,6 +37,8 @@ class RolloutBatch:
     cursor: dict[str, Any]
     """Data-source state after this batch (saved in checkpoints)."""
     seconds: float
+    weights_version: int | None = None
+    """Version of the sampler's weights that sampled the batch (None: not recorded)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,8 @@ class ScoredBatch:
     metrics: dict[str, float] = field(default_factory=dict)
     samples: list[dict[str, Any]] = field(default_factory=list)
     """A few transcripts for the sample-trajectories artifact."""
+    weights_version: int | None = None
+    """The rollout's ``RolloutBatch.weights_version``, for the update's staleness check."""
 
 
 @dataclass(frozen=True)

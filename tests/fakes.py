@@ -9,10 +9,18 @@ from typing import Any
 from agent_loop.types import SampleResult
 from environments.types import StepResult
 
-SYSTEM, USER, ASSISTANT, END = 256, 257, 258, 259
-"""Special ids of ``ByteChat``: role markers and the end-of-message (stop) token."""
+SYSTEM, USER, ASSISTANT, END, IMAGE = 256, 257, 258, 259, 260
+"""Special ids of ``ByteChat``: role markers, the end-of-message (stop) token, an image token."""
+IMAGE_TOKENS = 3
+"""``ByteChat`` renders an image part as this many ``IMAGE`` tokens."""
 _ROLE_IDS = {"system": SYSTEM, "user": USER, "assistant": ASSISTANT}
-_SPECIAL_NAMES = {SYSTEM: "system", USER: "user", ASSISTANT: "assistant", END: "end"}
+_SPECIAL_NAMES = {
+    SYSTEM: "system",
+    USER: "user",
+    ASSISTANT: "assistant",
+    END: "end",
+    IMAGE: "image",
+}
 
 
 def text_ids(text: str) -> list[int]:
@@ -30,12 +38,21 @@ class ByteChat:
 
     ``encode_prompt`` / ``encode_turn`` end with ``[ASSISTANT]`` (the generation prompt), so a
     conversation whose assistant turns end with END renders as the concatenation of the pieces.
+    Content given as parts renders an image part as ``IMAGE_TOKENS`` copies of ``IMAGE``.
     """
 
     stop_token_ids = [END]
 
-    def encode_message(self, message: dict[str, str]) -> list[int]:
-        return [_ROLE_IDS[message["role"]], *text_ids(message["content"]), END]
+    def encode_message(self, message: dict[str, Any]) -> list[int]:
+        content = message["content"]
+        if isinstance(content, str):
+            body = text_ids(content)
+        else:
+            body = []
+            for part in content:
+                image = part["type"] == "image"
+                body += [IMAGE] * IMAGE_TOKENS if image else text_ids(part["text"])
+        return [_ROLE_IDS[message["role"]], *body, END]
 
     def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
         return [t for m in messages for t in self.encode_message(m)] + [ASSISTANT]
@@ -69,7 +86,8 @@ class ScriptedSampler:
     """Returns predetermined completions and records every call.
 
     ``rounds[c][r]`` is the completion (token ids) for prompt ``r`` of call ``c``. Like a real
-    sampler, a completion is cut at ``max_new_tokens`` (``finish_reason="length"``).
+    sampler, a completion is cut at ``max_new_tokens`` (``finish_reason="length"``). The images
+    of each call (``None`` when the loop passed none) are recorded too.
     """
 
     def __init__(self, rounds: list[list[list[int]]]) -> None:
@@ -77,7 +95,11 @@ class ScriptedSampler:
         self.calls: list[dict[str, Any]] = []
 
     def sample(
-        self, prompts: list[list[int]], max_new_tokens: int, temperature: float
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        images: list[list[bytes]] | None = None,
     ) -> list[SampleResult]:
         call = len(self.calls)
         script = self.rounds[call]
@@ -93,6 +115,7 @@ class ScriptedSampler:
                 "prompts": [list(p) for p in prompts],
                 "max_new_tokens": max_new_tokens,
                 "temperature": temperature,
+                "images": images,
                 "results": results,
             }
         )

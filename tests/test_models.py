@@ -18,6 +18,7 @@ from backends.models import (
     build_tokenizer,
     load_causal_lm,
     load_tokenizer,
+    pin_model_uri,
     resolve_model_uri,
 )
 
@@ -229,6 +230,10 @@ def test_resolve_mlflow_registry_alias_and_version(tmp_path, model_dir, monkeypa
         client.create_model_version("tiny-policy", source=source, run_id=run.info.run_id)
     client.set_registered_model_alias("tiny-policy", "champion", "1")
     cache = str(tmp_path / "cache")
+    # A job pins the alias once (prepare-model): the URI it trains from names a version.
+    assert pin_model_uri("models:/tiny-policy@champion") == "models:/tiny-policy/1"
+    assert pin_model_uri("models:/tiny-policy/2") == "models:/tiny-policy/2"
+    assert pin_model_uri("s3://bucket/model@v2") == "s3://bucket/model@v2"
 
     champion = resolve_model_uri("models:/tiny-policy@champion", cache)
     assert torch.equal(logits_of(champion), logits_of(model_dir))
@@ -237,6 +242,7 @@ def test_resolve_mlflow_registry_alias_and_version(tmp_path, model_dir, monkeypa
     # moving the alias is seen at once (the cache is keyed by the version, not the alias)
     client.set_registered_model_alias("tiny-policy", "champion", "2")
     moved = resolve_model_uri("models:/tiny-policy@champion", cache)
+    assert pin_model_uri("models:/tiny-policy@champion") == "models:/tiny-policy/2"
     assert torch.equal(logits_of(moved), logits_of(other_dir))
     with pytest.raises(FileNotFoundError, match="models:/tiny-policy@nobody"):
         resolve_model_uri("models:/tiny-policy@nobody", cache)

@@ -23,6 +23,7 @@ from infra.servers import free_port, wait_for_http
 REPO = Path(__file__).resolve().parents[1]
 GOMOKU = {"size": 3, "win_length": 3, "move_format": "cell", "max_policy_turns": 9}
 MOVES = ["5", "1", "9", "3", "7", "2", "4", "6", "8", "5x"]  # the last one is invalid
+GEOMETRY = {"num_choices": 9 - 5, "image_size": 16}  # rows and shown images carry PNG bytes
 
 
 class PromptHashPolicy:
@@ -32,7 +33,7 @@ class PromptHashPolicy:
         self.calls = 0
         self.on_call = on_call
 
-    def sample(self, prompts, max_new_tokens, temperature):
+    def sample(self, prompts, max_new_tokens, temperature, images=None):
         self.calls += 1
         if self.on_call is not None:
             self.on_call(self.calls)
@@ -94,7 +95,7 @@ def _comparable(trajectories):
 
 @pytest.mark.parametrize(
     ("name", "params", "max_turns"),
-    [("gomoku", GOMOKU, 9), ("arithmetic", {}, 1)],
+    [("gomoku", GOMOKU, 9), ("arithmetic", {}, 1), ("geometry", GEOMETRY, 1)],
 )
 def test_same_episode_same_trajectory_in_all_modes(env_service, local_ray, name, params, max_turns):
     task = make_task(name, params)
@@ -113,6 +114,8 @@ def test_same_episode_same_trajectory_in_all_modes(env_service, local_ray, name,
     assert _comparable(runs["http"]) == _comparable(runs["local"])
     if name == "gomoku":  # multi-turn games really happened
         assert max(len(t.turn_rewards) for t in runs["local"]) >= 3
+    if name == "geometry":  # the figures made it through every mode
+        assert all(t.images == row["images"] for t, row in zip(runs["http"], rows, strict=True))
 
 
 def test_http_service_frees_episodes_and_reports_stats(env_service):
