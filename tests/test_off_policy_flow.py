@@ -1,26 +1,95 @@
-"""The rl-train flow with ``schedule.off_policy_steps: 1`` (one-step-off), end to end on the real
-Prefect API, Ray and MLflow: step n+1's rollout is started before update n ends, every batch is
-at most one update old, and a resumed job neither trains a batch twice nor skips one."""
+"""One-step-off RL (``schedule.off_policy_steps: 1``): step n+1's rollout is started before
+update n ends, every batch is at most one update old, and a checkpoint holds only trained
+batches, so a resumed job neither trains a batch twice nor skips one.
+
+The rollout pipeline is tested with fake futures; the flow end to end on the real Prefect API,
+Ray and MLflow (one 6-step job, ~50 s of its own on 2 cores)."""
 
 from __future__ import annotations
 
 import pytest
 
 from infra.config import load_config
+from tasks.types import RolloutBatch
 
-pytestmark = pytest.mark.e2e
-
-FIRST, TOTAL, ROWS, EVERY = 6, 9, 4, 3
+STEPS, ROWS, EVERY = 6, 4, 3
 PREFIX = "jobs/off-policy-e2e/checkpoints"
 
 
-def _config(steps: int):
-    return load_config(
+class _Done:
+    """A finished future."""
+
+    def __init__(self, value: RolloutBatch):
+        self.value = value
+
+    def result(self) -> RolloutBatch:
+        return self.value
+
+
+def _stream(ahead: int, start_cursor: dict | None = None, total: int = 4):
+    """A RolloutStream over fake rollouts of ROWS rows each; records every (step, cursor)
+    it starts a rollout at."""
+    from flows.common import RolloutStream
+
+    started: list[tuple[int, dict | None]] = []
+
+    def start(step: int, cursor: dict | None) -> _Done:
+        started.append((step, cursor))
+        index = (cursor or {"index": 0})["index"] + ROWS
+        return _Done(RolloutBatch(step, f"steps/{step}", {"index": index}, 0.1, 0))
+
+    return RolloutStream(start, start_cursor, ahead, total), started
+
+
+def test_one_step_off_starts_the_next_rollout_with_the_batch_and_none_past_the_end():
+    stream, started = _stream(ahead=1)
+    assert stream.take(0).step == 0
+    assert started == [(0, None), (1, {"index": 4})]  # step 1 runs during update 0
+    for step in (1, 2, 3):
+        assert stream.take(step).step == step
+    assert started[-1] == (3, {"index": 12}) and len(started) == 4  # nothing for step 4
+
+
+def test_on_policy_starts_each_rollout_only_when_taken():
+    stream, started = _stream(ahead=0)
+    stream.take(0)
+    assert started == [(0, None)]
+    stream.take(1)
+    assert started == [(0, None), (1, {"index": 4})]
+
+
+def test_resumed_stream_samples_its_first_step_again_from_the_checkpoint_cursor():
+    # The checkpoint after 2 steps holds the cursor of the 2 trained batches; the rollout of
+    # step 2 that was sampled ahead is not in it, so it is sampled again (new weights).
+    stream, started = _stream(ahead=1, start_cursor={"index": 8})
+    assert stream.take(2).cursor == {"index": 12}
+    assert started == [(2, {"index": 8}), (3, {"index": 12})]
+
+
+def test_settle_waits_for_the_rollout_ahead_then_syncs(monkeypatch):
+    import flows.common
+
+    synced = []
+    monkeypatch.setattr(flows.common, "weight_sync", lambda p: synced.append(p) or {"s": 1.0})
+    stream, _ = _stream(ahead=1)
+    stream.take(0)
+    assert stream.settle("policy") == {"s": 1.0, "time/rollout_ahead_s": 0.1}
+    assert synced == ["policy"]
+    on_policy, _ = _stream(ahead=0)
+    on_policy.take(0)
+    assert on_policy.settle("policy") == {} and synced == ["policy"]  # update synced already
+
+
+@pytest.fixture(scope="module")
+def job(prefect_api, flowrl_home):
+    from flows.rl import rl_train
+
+    config = load_config(
         None,
         [
             "name=off-policy-e2e",
             "warmup.enabled=false",  # learning is not what this test is about: keep it fast
-            f"schedule.steps={steps}",
+            f"schedule.steps={STEPS}",
             "schedule.off_policy_steps=1",
             f"schedule.checkpoint_every={EVERY}",
             "schedule.eval_every=100",
@@ -29,79 +98,50 @@ def _config(steps: int):
             "env.params.eval_size=20",
         ],
     )
+    return rl_train(config, return_state=True)
 
 
-@pytest.fixture(scope="module")
-def runs(prefect_api, flowrl_home):
-    """A 6-step job, as if it had crashed right after its step-3 checkpoint (while step 4's
-    rollout, sampled ahead, was already done), resubmitted for 9 steps: it resumes at 3."""
-    import ray
-
-    from flows.rl import rl_train
-    from infra.settings import get_settings
-    from infra.storage import Storage, load_checkpoint, step_dir
-
-    # Both flow runs join this Ray instead of starting their own (prefect-ray reuses it).
-    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="flowrl")
-    try:
-        first = rl_train(_config(FIRST), return_state=True)
-        storage = Storage(get_settings().storage_root)
-        _, meta_at_3 = load_checkpoint(storage, PREFIX, EVERY)
-        storage.delete(step_dir(PREFIX, FIRST))  # the crash: steps 4-6 reached no checkpoint
-        storage.delete(f"{PREFIX}/LATEST.json")
-        second = rl_train(_config(TOTAL))
-    finally:
-        ray.shutdown()
-    return first, meta_at_3, second
-
-
-def _history(run_id: str, metric: str) -> list[tuple[int, float]]:
-    """(step, value) in the order logged (a resumed job logs the redone steps again)."""
+def _history(run_id: str, metric: str) -> list[float]:
     from infra.tracking import client
 
-    points = sorted(client().get_metric_history(run_id, metric), key=lambda m: m.timestamp)
-    return [(m.step, m.value) for m in points]
+    points = sorted(client().get_metric_history(run_id, metric), key=lambda m: m.step)
+    return [m.value for m in points]
 
 
-def test_batches_are_at_most_one_update_old(runs):
-    first, _, second = runs
-    assert first.result().mlflow_run_id == second.mlflow_run_id  # the resumed job, same run
-    staleness = _history(second.mlflow_run_id, "train/staleness")
+@pytest.mark.e2e
+def test_batches_are_at_most_one_update_old(job):
     # Step 1 trains on weights v0's batch with the trainer at v0; every later batch was sampled
-    # while the previous update ran (one update old). The first step after the resume samples
-    # again from the checkpoint's weights, so it is on-policy, as the README says.
-    first_run = [(1, 0.0)] + [(s, 1.0) for s in range(2, FIRST + 1)]
-    resumed = [(EVERY + 1, 0.0)] + [(s, 1.0) for s in range(EVERY + 2, TOTAL + 1)]
-    assert staleness == first_run + resumed
+    # while the previous update ran: one update old. The update fails a step beyond that.
+    assert _history(job.result().mlflow_run_id, "train/staleness") == [0, 1, 1, 1, 1, 1]
 
 
-def test_next_rollout_starts_before_the_update_ends(runs):
+@pytest.mark.e2e
+def test_next_rollout_starts_before_the_update_ends(job):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    first, _, _ = runs
-    flow_filter = FlowRunFilter(id=FlowRunFilterId(any_=[first.state_details.flow_run_id]))
+    flow_filter = FlowRunFilter(id=FlowRunFilterId(any_=[job.state_details.flow_run_id]))
     with get_client(sync_client=True) as client:
         task_runs = client.read_task_runs(flow_run_filter=flow_filter, limit=200)
     by_name: dict[str, list] = {}
     for r in sorted(task_runs, key=lambda r: r.start_time):
         by_name.setdefault(r.name.rsplit("-", 1)[0], []).append(r)
     rollouts, updates = by_name["rollout"], by_name["update"]
-    assert len(rollouts) == len(updates) == len(by_name["sync"]) == FIRST
-    for n in range(FIRST - 1):  # rollout n+1 was not held back until update n was done
+    assert len(rollouts) == len(updates) == len(by_name["sync"]) == STEPS
+    for n in range(STEPS - 1):  # rollout n+1 was not held back until update n was done
         assert rollouts[n + 1].start_time < updates[n].end_time, n
 
 
-def test_checkpoints_hold_trained_batches_only_and_resume_continues(runs, flowrl_home):
+@pytest.mark.e2e
+def test_checkpoints_hold_trained_batches_only(job, flowrl_home):
     from infra.settings import get_settings
-    from infra.storage import Storage, load_latest_checkpoint
+    from infra.storage import Storage, load_checkpoint
 
-    first, meta_at_3, second = runs
-    # Step 4's rollout was done when step 3's checkpoint was taken, but it is not in it.
-    assert meta_at_3["cursor"] == {"index": EVERY * ROWS}
-    assert meta_at_3["weights_version"] == EVERY
-    assert second.resumed_from == EVERY and second.steps == TOTAL
-    step, _, meta = load_latest_checkpoint(Storage(get_settings().storage_root), PREFIX)
-    assert step == TOTAL and meta["cursor"] == {"index": TOTAL * ROWS}
-    assert meta["weights_version"] == TOTAL
-    assert second.model_uri.startswith("models:/off-policy-e2e/")
+    storage = Storage(get_settings().storage_root)
+    # When step 3's checkpoint was taken, step 4's rollout was done too: it is not in it.
+    _, meta = load_checkpoint(storage, PREFIX, EVERY)
+    assert meta["cursor"] == {"index": EVERY * ROWS} and meta["weights_version"] == EVERY
+    _, meta = load_checkpoint(storage, PREFIX, STEPS)
+    assert meta["cursor"] == {"index": STEPS * ROWS} and meta["weights_version"] == STEPS
+    result = job.result()
+    assert result.steps == STEPS and result.model_uri.startswith("models:/off-policy-e2e/")
