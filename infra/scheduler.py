@@ -169,11 +169,11 @@ def gpu_slots_total(limit_name: str) -> int | None:
             return None
 
 
-def admit(gpus: int) -> None:
+def admit(gpus: int, spec: SchedulerSpec | None = None) -> None:
     """Check a job against the API's ``gpu`` limit before it is submitted or starts."""
     if gpus <= 0:
         return
-    name = load_scheduler().gpu_limit
+    name = (spec or load_scheduler()).gpu_limit
     total = gpu_slots_total(name)
     if total is None:
         raise AdmissionError(
@@ -193,8 +193,8 @@ def gpu_slots(gpus: int) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
     from prefect.concurrency.sync import concurrency
 
-    admit(gpus)
     spec = load_scheduler()
+    admit(gpus, spec)
     # A transient API error while renewing must not kill a training job: it logs and goes on.
     return concurrency(
         spec.gpu_limit,
