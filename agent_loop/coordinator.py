@@ -21,9 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from agent_loop.loop import LoopLimits
-from agent_loop.types import ChatFormat, Sampler, StopReason, Trajectory
-from environments.types import StepResult
+from flowrl.agent_loop.loop import LoopLimits
+from flowrl.agent_loop.types import ChatFormat, Sampler, StopReason, Trajectory
+from flowrl.environments.types import StepResult
 
 
 class MultiAgentEnv(Protocol):

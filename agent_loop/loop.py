@@ -40,7 +40,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from agent_loop.types import (
+from flowrl.agent_loop.types import (
     ChatFormat,
     FSMState,
     Sampler,
@@ -48,7 +48,7 @@ from agent_loop.types import (
     StopReason,
     Trajectory,
 )
-from environments.types import Environment, shown_images
+from flowrl.environments.types import Environment, shown_images
 
 OBSERVATION_ROLE_KEY = "observation_role"
 """``StepResult.info`` key naming the chat role of the observation (see module docstring)."""

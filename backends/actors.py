@@ -13,10 +13,10 @@ from typing import Any
 
 import ray
 
-from backends.deepspeed_trainer import DeepSpeedTrainer, DeepSpeedZero3Trainer
-from backends.hf_workers import HFSampler, TorchTrainer
-from backends.types import WorkerSpec
-from backends.vllm_sampler import VLLMSampler
+from flowrl.backends.deepspeed_trainer import DeepSpeedTrainer, DeepSpeedZero3Trainer
+from flowrl.backends.hf_workers import HFSampler, TorchTrainer
+from flowrl.backends.types import WorkerSpec
+from flowrl.backends.vllm_sampler import VLLMSampler
 
 NAMESPACE = "flowrl"
 
@@ -51,6 +51,22 @@ class ActorResources:
 
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """How a job's policy workers start (warm-up's included): what each asks the cluster for,
+    which backends, and torch's threads per worker."""
+
+    resources: ActorResources = ActorResources()
+    sampler_backend: str = "hf"
+    trainer_backend: str = "torch"
+    torch_threads: int = 1
+
+    def start(self, name: str, spec: WorkerSpec) -> PolicyRef:
+        """Start a policy's sampler and trainer as planned (``spec.torch_threads`` overridden)."""
+        spec = spec.model_copy(update={"torch_threads": self.torch_threads})
+        return start_policy(name, spec, self.resources, self.sampler_backend, self.trainer_backend)
 
 
 class _Proxy:

@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from backends.hf_workers import TorchTrainer, _trainable_state
-from backends.types import WorkerSpec
-from infra.storage import Storage, commit_checkpoint, load_latest_checkpoint
+from flowrl.backends.hf_workers import TorchTrainer, _trainable_state
+from flowrl.backends.types import WorkerSpec
+from flowrl.infra.storage import Storage, commit_checkpoint, load_latest_checkpoint
 
 CHECKPOINT_TAG = "flowrl"
 

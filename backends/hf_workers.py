@@ -17,17 +17,17 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
-from agent_loop.types import SampleResult
-from backends.algorithms import (
+from flowrl.agent_loop.types import SampleResult
+from flowrl.backends.algorithms import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     get_policy_loss,
     token_logprobs,
 )
-from backends.models import load_causal_lm, load_tokenizer, resolve_model_uri
-from backends.types import Datum, WorkerSpec
-from backends.vlm import ImageInputs, copy_processor_files, vision_inputs
-from infra.storage import Storage, commit_checkpoint, load_latest_checkpoint
+from flowrl.backends.models import load_causal_lm, load_tokenizer, resolve_model_uri
+from flowrl.backends.types import Datum, WorkerSpec
+from flowrl.backends.vlm import ImageInputs, copy_processor_files, vision_inputs
+from flowrl.infra.storage import Storage, commit_checkpoint, load_latest_checkpoint
 
 
 def _device(spec: WorkerSpec) -> torch.device:

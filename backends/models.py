@@ -173,7 +173,7 @@ def build_tiny_model(spec: TinyModelSpec, out_dir: str) -> str:
     Writes a standard HF folder (safetensors) to ``out_dir`` and returns ``out_dir``.
     """
     if spec.vision.enabled:
-        from backends.vlm import build_tiny_vlm  # backends.vlm builds on this module
+        from flowrl.backends.vlm import build_tiny_vlm  # backends.vlm builds on this module
 
         return build_tiny_vlm(spec, out_dir)
     tokenizer = build_tokenizer()
@@ -322,14 +322,12 @@ def _pin_registry_version(uri: str) -> str | None:
         return None
     ref = uri.removeprefix("models:/").strip("/")
     if "@" in ref:
-        from mlflow import MlflowClient
-        from mlflow.exceptions import MlflowException
+        from flowrl.infra.tracking import alias_version
 
         name, alias = ref.rsplit("@", 1)
-        try:
-            version = MlflowClient().get_model_version_by_alias(name, alias).version
-        except MlflowException as err:
-            raise FileNotFoundError(f"no registered model version for {uri!r}: {err}") from err
+        version = alias_version(name, alias)
+        if version is None:
+            raise FileNotFoundError(f"no registered model version for {uri!r}")
         return f"models:/{name}/{version}"
     name, _, version = ref.rpartition("/")
     return uri if name and version.isdigit() else None

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from agent_loop.types import SampleResult
-from backends.models import load_tokenizer, resolve_model_uri
-from backends.types import WorkerSpec
+from flowrl.agent_loop.types import SampleResult
+from flowrl.backends.models import load_tokenizer, resolve_model_uri
+from flowrl.backends.types import WorkerSpec
 
-WORKER_EXTENSION = "backends.vllm_sampler.WeightSyncExtension"
+WORKER_EXTENSION = "flowrl.backends.vllm_sampler.WeightSyncExtension"
 
 
 class WeightSyncExtension:

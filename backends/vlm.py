@@ -30,7 +30,7 @@ from transformers import (
 )
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-from backends.models import (
+from flowrl.backends.models import (
     CHAT_TEMPLATE,
     IMAGE_TOKEN,
     TinyModelSpec,

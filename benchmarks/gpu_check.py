@@ -23,8 +23,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from backends.models import HFChatFormat, TinyModelSpec, build_tiny_model, load_tokenizer  # noqa: E402
-from backends.types import Datum, LoraSettings, WorkerSpec  # noqa: E402
+from flowrl.backends.models import HFChatFormat, TinyModelSpec, build_tiny_model, load_tokenizer  # noqa: E402
+from flowrl.backends.types import Datum, LoraSettings, WorkerSpec  # noqa: E402
 
 TOL = 2e-2  # bf16/fp16 kernels in vLLM vs fp32 in the trainer
 
@@ -60,9 +60,9 @@ def _max_logprob_gap(sampler, trainer, prompts: list[list[int]]) -> float:
 
 
 def check_vllm_sync(model_dir: str, work: str, lora: bool) -> str:
-    from backends.deepspeed_trainer import DeepSpeedTrainer
-    from backends.hf_workers import TorchTrainer
-    from backends.vllm_sampler import VLLMSampler
+    from flowrl.backends.deepspeed_trainer import DeepSpeedTrainer
+    from flowrl.backends.hf_workers import TorchTrainer
+    from flowrl.backends.vllm_sampler import VLLMSampler
 
     spec = _spec(model_dir, work, lora)
     sampler = VLLMSampler(spec, gpu_memory_utilization=0.3)
@@ -87,7 +87,7 @@ def check_vllm_sync(model_dir: str, work: str, lora: bool) -> str:
 
 
 def check_deepspeed_step(model_dir: str, work: str, zero3: bool) -> str:
-    from backends.deepspeed_trainer import DeepSpeedTrainer, DeepSpeedZero3Trainer
+    from flowrl.backends.deepspeed_trainer import DeepSpeedTrainer, DeepSpeedZero3Trainer
 
     trainer = (DeepSpeedZero3Trainer if zero3 else DeepSpeedTrainer)(_spec(model_dir, work, False))
     data = [Datum([3, 5, 9, 14, 7, 3], [0, 1, 1, 1, 1, 1])]
@@ -100,10 +100,10 @@ def check_deepspeed_step(model_dir: str, work: str, zero3: bool) -> str:
 
 
 def check_rl_run(model_dir: str, work: str) -> str:
-    from backends.actors import start_policy, stop_policy
-    from infra.config import RLJobConfig
-    from tasks.rl import rollout, score, update
-    from tasks.types import JobContext
+    from flowrl.backends.actors import start_policy, stop_policy
+    from flowrl.tasks.jobs import RLJobConfig
+    from flowrl.tasks.rl import rollout, score, update
+    from flowrl.tasks.types import JobContext
 
     cfg = RLJobConfig.model_validate(
         {
@@ -126,7 +126,7 @@ def check_rl_run(model_dir: str, work: str) -> str:
         cursor, start = None, time.perf_counter()
         for step in range(5):
             batch = rollout.fn(cfg, ctx, model_dir, policy, step, cursor)
-            stats = update.fn(cfg, ctx, policy, score.fn(cfg, ctx, batch))
+            stats = update.fn(cfg, ctx, policy, score.fn(cfg, ctx, batch)).metrics
             cursor = batch.cursor
         assert stats["train/weights_version"] == 5, stats
     finally:

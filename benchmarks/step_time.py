@@ -50,8 +50,8 @@ def start_engines() -> dict[str, float]:
     """Start the ephemeral Prefect API and the MLflow store before the flow, each timed alone."""
     from prefect.client.orchestration import get_client
 
-    from infra import tracking
-    from infra.settings import get_settings
+    from flowrl.infra import tracking
+    from flowrl.infra.settings import get_settings
 
     def hello() -> None:
         with get_client(sync_client=True) as client:  # starts the ephemeral server
@@ -89,8 +89,8 @@ def task_runs(flow_run_id: Any, expected: int) -> tuple[Any, dict[str, list[Any]
 
 def run_orchestrated(config: Any) -> tuple[Series, dict[str, float]]:
     """Per-step stage times (s) of the real flow, and its one-off costs."""
-    from flows.rl import rl_train
-    from infra import tracking
+    from flowrl.flows.rl import rl_train
+    from flowrl.infra import tracking
 
     state, call_s = timed(lambda: rl_train(config, return_state=True))
     run_id = state.result().mlflow_run_id
@@ -132,19 +132,19 @@ def run_orchestrated(config: Any) -> tuple[Series, dict[str, float]]:
 
 def run_plain(config: Any) -> tuple[Series, dict[str, float]]:
     """The same steps with the stages' plain functions and in-process workers (s)."""
-    from backends.actors import start_policy, stop_policy
-    from backends.types import WorkerSpec
-    from infra.settings import get_settings
-    from tasks.model import prepare_model, warmup
-    from tasks.rl import evaluate, rollout, score, update
-    from tasks.types import JobContext
+    from flowrl.backends.actors import start_policy, stop_policy
+    from flowrl.backends.types import WorkerSpec
+    from flowrl.infra.settings import get_settings
+    from flowrl.tasks.model import prepare_model, warmup
+    from flowrl.tasks.rl import evaluate, rollout, score, update
+    from flowrl.tasks.types import JobContext
 
     s, c = get_settings(), config
     ctx = JobContext(c.name, s.storage_root, s.model_cache_dir, f"{c.name}-plain")
     warm = warmup.fn(c, ctx, prepare_model.fn(c, ctx))
-    if not warm["cached"]:
+    if not warm.cached:
         raise RuntimeError("the flow's warm-up should have been cached and reused")
-    uri = warm["model_uri"]
+    uri = warm.model_uri
     spec = WorkerSpec(
         model_uri=uri,
         cache_dir=ctx.cache_dir,
@@ -260,14 +260,14 @@ def main() -> None:
     if home.exists() and any(home.iterdir()):
         parser.error(f"--home {home} is not empty: the one-off costs need a cold start")
     set_environment(home)
-    from infra.config import load_config
+    from flowrl.tasks.jobs import load_job
 
     overrides = [
         f"schedule.steps={args.steps}",
         f"schedule.eval_every={NEVER}",
         f"schedule.checkpoint_every={NEVER}",
     ]
-    config = load_config(None, overrides)
+    config = load_job(None, overrides)
     costs = start_engines()
     orch, flow_costs = run_orchestrated(config)
     plain, plain_costs = run_plain(config)

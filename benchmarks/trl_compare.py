@@ -73,9 +73,9 @@ SIZES = {
 
 
 def job_config(size: str, overrides: list[str]) -> Any:
-    from infra.config import load_config
+    from flowrl.tasks.jobs import load_job
 
-    return load_config(None, [*SIZES[size].overrides, *overrides])
+    return load_job(None, [*SIZES[size].overrides, *overrides])
 
 
 # --------------------------------------------------------------------------- flowrl side
@@ -86,11 +86,11 @@ def flowrl_side(size: str, steps: int, ahead: int) -> dict[str, Any]:
     started = time.perf_counter()
     from prefect.client.orchestration import get_client
 
-    from flows.rl import rl_train
-    from infra import tracking
-    from infra.settings import get_settings
-    from tasks.model import prepare_model, warmup
-    from tasks.types import JobContext
+    from flowrl.flows.rl import rl_train
+    from flowrl.infra import tracking
+    from flowrl.infra.settings import get_settings
+    from flowrl.tasks.model import prepare_model, warmup
+    from flowrl.tasks.types import JobContext
 
     name = f"bench-{size}-{'off' if ahead else 'on'}"
     config = job_config(
@@ -142,7 +142,7 @@ def flowrl_side(size: str, steps: int, ahead: int) -> dict[str, Any]:
             - sum(times["step"]),
             f"first {SKIP} steps beyond the steady state (Ray workers start)": cold_s,
         },
-        "warm_model": warm["model_uri"],
+        "warm_model": warm.model_uri,
     }
 
 
@@ -159,12 +159,11 @@ def trl_side(size: str, seconds: float, threads: int, warm_model: str) -> dict[s
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from backends.actors import start_policy, stop_policy
-    from backends.models import load_causal_lm, load_tokenizer, resolve_model_uri
-    from backends.types import WorkerSpec
-    from infra.settings import get_settings
-    from tasks.common import chat_format, evaluate_policy
-    from tasks.rl import loop_limits
+    from flowrl.backends.actors import start_policy, stop_policy
+    from flowrl.backends.models import load_causal_lm, load_tokenizer, resolve_model_uri
+    from flowrl.backends.types import WorkerSpec
+    from flowrl.infra.settings import get_settings
+    from flowrl.tasks.common import chat_format, evaluate_policy
 
     config = job_config(size, [])
     cache = get_settings().model_cache_dir
@@ -259,7 +258,9 @@ def trl_side(size: str, seconds: float, threads: int, warm_model: str) -> dict[s
     trainer.processing_class.save_pretrained(out_dir)
     policy = start_policy("trl-eval", WorkerSpec(model_uri=out_dir, cache_dir=cache), local=True)
     try:  # the flow's own eval code on the flow's held-out set
-        acc = evaluate_policy(task, policy, chat_format(out_dir, cache), loop_limits(config))
+        acc = evaluate_policy(
+            task, policy, chat_format(out_dir, cache), config.rollout.limits(greedy=True)
+        )
     finally:
         stop_policy(policy)
     steps = budget.step_s

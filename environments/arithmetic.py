@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from environments.data import GeneratedSource
-from environments.types import StepResult
+from flowrl.environments.data import GeneratedSource
+from flowrl.environments.types import StepResult
 
 Operator = Literal["+", "-", "*"]
 

@@ -25,15 +25,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from environments.data import GeneratedSource, StaticSource, load_rows
-from environments.geometry_figures import (
+from flowrl.environments.data import GeneratedSource, StaticSource, load_rows
+from flowrl.environments.geometry_figures import (
     KINDS,
     LETTERS,
     Kind,
     problem_row,
     problem_space,
 )
-from environments.types import StepResult
+from flowrl.environments.types import StepResult
 
 _MAX_REDRAWS = 64
 """Random redraws of a held-out training problem before walking to the next free one."""

@@ -31,8 +31,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from environments.data import GeneratedSource
-from environments.types import StepResult
+from flowrl.environments.data import GeneratedSource
+from flowrl.environments.types import StepResult
 
 EMPTY, PLAYER_X, PLAYER_O = 0, 1, 2
 MARKS = {EMPTY: ".", PLAYER_X: "X", PLAYER_O: "O"}

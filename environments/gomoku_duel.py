@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from environments.gomoku import (
+from flowrl.environments.gomoku import (
     EMPTY,
     PLAYER_O,
     PLAYER_X,
@@ -20,7 +20,7 @@ from environments.gomoku import (
     IllegalMove,
     parse_move,
 )
-from environments.types import StepResult
+from flowrl.environments.types import StepResult
 
 MARK = {"X": PLAYER_X, "O": PLAYER_O}
 _SWAP = str.maketrans({"X": "O", "O": "X"})

@@ -6,10 +6,10 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from environments.arithmetic import ArithmeticTask
-from environments.geometry import GeometryTask
-from environments.gomoku import GomokuTask
-from environments.tool_math import ToolMathTask
+from flowrl.environments.arithmetic import ArithmeticTask
+from flowrl.environments.geometry import GeometryTask
+from flowrl.environments.gomoku import GomokuTask
+from flowrl.environments.tool_math import ToolMathTask
 
 ENVIRONMENTS: dict[str, type[BaseModel]] = {
     "arithmetic": ArithmeticTask,

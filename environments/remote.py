@@ -18,8 +18,8 @@ from typing import Any, Literal
 import httpx
 import ray
 
-from environments.registry import make_task
-from environments.types import Environment, StepResult, from_wire, shown_images, to_wire
+from flowrl.environments.registry import make_task
+from flowrl.environments.types import Environment, StepResult, from_wire, shown_images, to_wire
 
 EnvMode = Literal["local", "ray", "http"]
 

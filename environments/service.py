@@ -28,8 +28,8 @@ from typing import Any
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
-from environments.registry import make_task
-from environments.types import Environment, from_wire, shown_images, to_wire
+from flowrl.environments.registry import make_task
+from flowrl.environments.types import Environment, from_wire, shown_images, to_wire
 
 
 class EnvSpec(BaseModel):

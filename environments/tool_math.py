@@ -29,9 +29,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from environments.calculator import CalculatorError, calculate
-from environments.data import GeneratedSource
-from environments.types import StepResult
+from flowrl.environments.calculator import CalculatorError, calculate
+from flowrl.environments.data import GeneratedSource
+from flowrl.environments.types import StepResult
 
 TOOL_NAME = "calculator"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"

@@ -12,7 +12,7 @@ import time
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
-from infra.scheduler import gpu_slots
+from flowrl.infra.scheduler import gpu_slots
 
 
 @flow(name="gpu-probe", log_prints=True)

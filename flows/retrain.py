@@ -15,36 +15,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlflow.exceptions import MlflowException
-from prefect import flow, task
+from prefect import flow
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
 from prefect.runtime import flow_run
-from pydantic import BaseModel, ConfigDict, Field
 
-from backends.actors import start_policy, stop_policy
-from backends.types import WorkerSpec
-from flows.rl import rl_train
-from infra import tracking
-from infra.config import RLJobConfig
-from infra.settings import get_settings
-from tasks.common import chat_format, derived_seed, evaluate_policy
-from tasks.rl import loop_limits
-
-
-class RetrainConfig(BaseModel):
-    """A retraining round: the training job template and the promotion gate."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    job: RLJobConfig = Field(
-        default_factory=lambda: RLJobConfig(name="arithmetic-retrain"),
-        description="Training job template; name, seed and model.source are set per round.",
-    )
-    alias: str = Field(default="champion", description="Registry alias of the serving model.")
-    min_improvement: float = Field(
-        default=0.0, description="Promote only if challenger accuracy > champion + this."
-    )
+from flowrl.flows.rl import rl_train
+from flowrl.infra import tracking
+from flowrl.infra.settings import get_settings
+from flowrl.tasks.common import derived_seed
+from flowrl.tasks.jobs import RetrainConfig, RLJobConfig
+from flowrl.tasks.model import evaluate_model
 
 
 @dataclass(frozen=True)
@@ -62,26 +42,6 @@ class RetrainDecision:
 def should_promote(champion: float | None, challenger: float, min_improvement: float) -> bool:
     """The gate: strictly better than the champion by more than ``min_improvement``."""
     return champion is None or challenger > champion + min_improvement
-
-
-def champion_version(name: str, alias: str) -> str | None:
-    try:
-        return str(tracking.client().get_model_version_by_alias(name, alias).version)
-    except MlflowException:
-        return None
-
-
-@task(name="evaluate-model", cache_policy=NO_CACHE)
-def evaluate_model(job: RLJobConfig, model_uri: str) -> float:
-    """Greedy held-out accuracy of a registered model (in-process workers, same eval code)."""
-    cache_dir = get_settings().model_cache_dir
-    spec = WorkerSpec(model_uri=model_uri, cache_dir=cache_dir, seed=job.seed)
-    policy = start_policy(f"eval-{derived_seed(model_uri)}", spec, local=True)
-    try:
-        chat = chat_format(model_uri, cache_dir)
-        return evaluate_policy(job.env.task(), policy, chat, loop_limits(job)).accuracy
-    finally:
-        stop_policy(policy)
 
 
 def challenger_job(config: RetrainConfig, round_id: str, champion: str | None) -> RLJobConfig:
@@ -103,7 +63,7 @@ def retrain(config: RetrainConfig = RetrainConfig()) -> RetrainDecision:  # noqa
     get_settings().apply_to_environment()
     name = config.job.registered_model_name
     round_id = (flow_run.get_id() or "local0000")[:8]
-    champion = champion_version(name, config.alias)
+    champion = tracking.alias_version(name, config.alias)
     trained = rl_train(challenger_job(config, round_id, champion))
     challenger = trained.model_uri.rsplit("/", 1)[1]
     champ_acc = evaluate_model(config.job, f"models:/{name}/{champion}") if champion else None
@@ -111,7 +71,7 @@ def retrain(config: RetrainConfig = RetrainConfig()) -> RetrainDecision:  # noqa
     promote = should_promote(champ_acc, chall_acc, config.min_improvement)
     decision = ("promoted" if champion else "bootstrap") if promote else "kept"
     if promote:
-        tracking.client().set_registered_model_alias(name, config.alias, challenger)
+        tracking.set_alias(name, config.alias, challenger)
     return record_decision(
         config, RetrainDecision(name, champion, challenger, champ_acc, chall_acc, decision, "")
     )

@@ -9,14 +9,16 @@ name resumes from its last complete checkpoint.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from prefect import flow, get_run_logger
 
-from flows.common import JobRun, RolloutStream, task_runner
-from infra.config import RLJobConfig
-from infra.scheduler import gpu_slots
-from tasks.model import prepare_model, register, warmup
-from tasks.rl import checkpoint, evaluate, restore, rollout, score, update
+from flowrl.flows.lifecycle import JobRun, StepClock, due, task_runner
+from flowrl.flows.rollouts import RolloutStream, step_times
+from flowrl.infra import tracking
+from flowrl.tasks.jobs import RLJobConfig
+from flowrl.tasks.model import prepare_model, register, warmup
+from flowrl.tasks.rl import checkpoint, evaluate, restore, rollout, score, update
 
 
 @dataclass(frozen=True)
@@ -39,51 +41,62 @@ class RLResult:
 @flow(name="rl-train", task_runner=task_runner(), log_prints=True)
 def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
     logger = get_run_logger()
-    # The job holds its GPU slots from before its workers start until they are released.
-    with gpu_slots(config.resources.gpus), JobRun(config) as job:
+    # GPU slots are held from before any worker starts until every worker has stopped.
+    with JobRun(config, resume=True) as job:
         # Every stage is submitted to the task runner: each runs as a Ray task on the cluster.
         base_uri = prepare_model.submit(config, job.ctx).result()
         warm = warmup.submit(config, job.ctx, base_uri).result()
         logger.info("warm-up: %s", warm)
-        model_uri = warm["model_uri"]
-        policy = job.start_policy(model_uri)
+        policy = job.start_policy(warm.model_uri)
         resumed = restore.submit(job.ctx, policy).result()
-        start, cursor, acc_start = job.resume_point(resumed)
+        start, cursor, acc_start = resume_point(resumed)
         if acc_start is None:
-            start_eval = evaluate.submit(config, job.ctx, model_uri, policy).result()
+            start_eval = evaluate.submit(config, job.ctx, warm.model_uri, policy).result()
             acc_start = start_eval.accuracy
             job.log(start_eval.metrics(), step=0)
         rollouts = RolloutStream(
-            lambda step, at: rollout.submit(config, job.ctx, model_uri, policy, step, at),
+            lambda step, at: rollout.submit(config, job.ctx, warm.model_uri, policy, step, at),
             cursor,
             ahead=config.schedule.off_policy_steps,
             total_steps=config.schedule.steps,
         )
-        for step in job.steps(start):
+        clock = StepClock()
+        for step in job.steps(start, config.schedule.steps):
             batch = rollouts.take(step)  # off_policy_steps 1: starts step + 1's rollout too
             scored = score.submit(config, job.ctx, batch).result()
-            stats = update.submit(config, job.ctx, policy, scored).result()
-            stats |= rollouts.settle(policy)  # then eval and checkpoints see no rollout running
-            cursor = batch.cursor
-            job.record_step(step, scored, stats)
-            if job.due(step, config.schedule.eval_every):
-                result = evaluate.submit(config, job.ctx, model_uri, policy).result()
+            updated = update.submit(config, job.ctx, policy, scored).result()
+            settled = rollouts.settle(policy)  # then eval and checkpoints see no rollout running
+            times = step_times(clock.lap(), scored, updated, settled)
+            job.log(scored.metrics | updated.metrics | times, step + 1)
+            if step % 10 == 0 and scored.samples:
+                tracking.log_json(job.run_id, scored.samples, f"samples/step-{step + 1:05d}.json")
+            job.advance(step + 1, reward=scored.metrics.get("reward/mean", 0.0))
+            if due(step, config.schedule.steps, config.schedule.eval_every):
+                result = evaluate.submit(config, job.ctx, warm.model_uri, policy).result()
                 job.log(result.metrics(), step + 1)
-            if job.due(step, config.schedule.checkpoint_every, at_end=True):
-                meta = job.meta(cursor, acc_start)
+            if due(step, config.schedule.steps, config.schedule.checkpoint_every, at_end=True):
+                meta = {"cursor": batch.cursor, "accuracy_start": acc_start}
                 checkpoint.submit(config, job.ctx, policy, step + 1, meta).result()
-        final = evaluate.submit(config, job.ctx, model_uri, policy).result()
-        job.log(final.metrics("final"), config.schedule.steps)
+        final = evaluate.submit(config, job.ctx, warm.model_uri, policy).result()
         metrics = final.metrics("final")
+        job.log(metrics, config.schedule.steps)
         registered = register.submit(config, job.ctx, policy, job.run_id, metrics).result()
-        job.finish(registered)
+        result = RLResult(
+            job=config.name,
+            model_uri=registered,
+            accuracy_start=acc_start,
+            accuracy_end=final.accuracy,
+            mlflow_run_id=job.run_id,
+            steps=job.done_steps,
+            resumed_from=start if resumed else None,
+        )
+        job.finish(result, curves=("reward/mean", "eval/accuracy"))
     logger.info("accuracy %.3f -> %.3f; registered %s", acc_start, final.accuracy, registered)
-    return RLResult(
-        job=config.name,
-        model_uri=registered,
-        accuracy_start=acc_start,
-        accuracy_end=final.accuracy,
-        mlflow_run_id=job.run_id,
-        steps=job.done_steps,
-        resumed_from=start if resumed else None,
-    )
+    return result
+
+
+def resume_point(meta: dict[str, Any] | None) -> tuple[int, dict | None, float | None]:
+    """(first step to run, data cursor, accuracy at the start of RL) from a checkpoint's meta."""
+    if meta is None:
+        return 0, None, None
+    return int(meta["step"]), meta.get("cursor"), meta.get("accuracy_start")

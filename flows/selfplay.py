@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 from prefect import flow, get_run_logger
 
-from flows.common import JobRun, task_runner
-from infra.config import SelfPlayJobConfig
-from tasks.model import prepare_model, register, warmup
-from tasks.rl import checkpoint, evaluate, score, update
-from tasks.selfplay import agent_context, duel_rollout, head_to_head, trained_policies
+from flowrl.backends.actors import PolicyRef
+from flowrl.flows.lifecycle import JobRun, due, task_runner
+from flowrl.tasks.jobs import SelfPlayJobConfig
+from flowrl.tasks.model import prepare_model, register, warmup
+from flowrl.tasks.rl import checkpoint, evaluate, score, update
+from flowrl.tasks.selfplay import agent_context, duel_rollout, head_to_head, trained_policies
 
 
 @dataclass(frozen=True)
@@ -32,28 +33,27 @@ class SelfPlayResult:
 @flow(name="self-play", task_runner=task_runner(), log_prints=True)
 def self_play(config: SelfPlayJobConfig = SelfPlayJobConfig()) -> SelfPlayResult:  # noqa: B008
     logger = get_run_logger()
-    with JobRun(config) as job:
+    with JobRun(config, resume=True) as job:
         base_uri = prepare_model.submit(config, job.ctx).result()
-        model_uri = warmup.submit(config, job.ctx, base_uri).result()["model_uri"]
+        model_uri = warmup.submit(config, job.ctx, base_uri).result().model_uri
         owners = trained_policies(config)
         ctxs = {o: agent_context(job.ctx, o) for o in owners}
         refs = {o: job.start_policy(model_uri, ctxs[o].run_name) for o in owners}
         by_agent = {a: refs["shared" if config.shared_policy else a] for a in config.agents}
-        for step in job.steps(0):
+        for step in job.steps(0, config.schedule.steps):
             # Barrier 1: the rollout phase (every game of every agent) ends before any update.
             duel = duel_rollout.submit(config, job.ctx, model_uri, by_agent, step).result()
-            scored = {o: score.submit(config, ctxs[o], duel["batches"][o]) for o in owners}
+            scored = {o: score.submit(config, ctxs[o], duel.batches[o]) for o in owners}
             updates = {o: update.submit(config, ctxs[o], refs[o], scored[o]) for o in owners}
             # Barrier 2: every update and weight sync ends before the next rollout.
-            stats = {o: updates[o].result() for o in owners}
-            job.log(duel["metrics"], step + 1)
-            job.advance(
-                step, **{f"{a}_outcome": duel["metrics"][f"agent-{a}/outcome"] for a in "XO"}
-            )
+            updated = {o: updates[o].result() for o in owners}
+            job.log(duel.metrics, step + 1)
             for o in owners:
-                job.log({f"{o}/{k}": v for k, v in scored[o].result().metrics.items()}, step + 1)
-                job.log({f"{o}/{k}": v for k, v in stats[o].items()}, step + 1)
-            if job.due(step, config.schedule.eval_every, at_end=True):
+                metrics = scored[o].result().metrics | updated[o].metrics
+                job.log({f"{o}/{k}": v for k, v in metrics.items()}, step + 1)
+            outcomes = {f"{a}_outcome": duel.metrics[f"agent-{a}/outcome"] for a in config.agents}
+            job.advance(step + 1, **outcomes)
+            if due(step, config.schedule.steps, config.schedule.eval_every, at_end=True):
                 job.log(_evaluate(config, job, model_uri, refs, by_agent), step + 1)
         final = _evaluate(config, job, model_uri, refs, by_agent)
         uris = {}
@@ -62,13 +62,20 @@ def self_play(config: SelfPlayJobConfig = SelfPlayJobConfig()) -> SelfPlayResult
             named = config.model_copy(update={"register_as": f"{config.registered_model_name}-{o}"})
             metrics = {k: v for k, v in final.items() if k.startswith(f"eval/{o}/")}
             uris[o] = register.submit(named, ctxs[o], refs[o], job.run_id, metrics).result()
-        job.finish(", ".join(uris.values()))
-    scores = {o: final[f"eval/{o}/accuracy"] for o in owners}
+        scores = {o: final[f"eval/{o}/accuracy"] for o in owners}
+        result = SelfPlayResult(config.name, uris, scores, job.run_id)
+        job.finish(result)
     logger.info("score vs heuristic %s; registered %s", scores, uris)
-    return SelfPlayResult(config.name, uris, scores, job.run_id)
+    return result
 
 
-def _evaluate(config, job, model_uri, refs, by_agent) -> dict[str, float]:
+def _evaluate(
+    config: SelfPlayJobConfig,
+    job: JobRun,
+    model_uri: str,
+    refs: dict[str, PolicyRef],
+    by_agent: dict[str, PolicyRef],
+) -> dict[str, float]:
     """Each trained policy against the fixed heuristic opponent, and the agents head to head."""
     futures = {o: evaluate.submit(config, job.ctx, model_uri, ref) for o, ref in refs.items()}
     h2h = head_to_head.submit(config, job.ctx, model_uri, by_agent)

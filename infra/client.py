@@ -4,7 +4,7 @@ A thin layer on Prefect's client (``run_deployment(..., timeout=0)`` submits; fl
 are the job's status; cancellation is a state change the worker acts on) and MLflow's client
 (metrics of the job's run). No GPU, no model: this is what a user's laptop runs.
 
-    from infra.client import JobClient
+    from flowrl.infra.client import JobClient
     jobs = JobClient()
     run_id = jobs.submit("rl-train", {"config": {"name": "my-job", "resources": {"gpus": 1}}})
     jobs.wait(run_id); print(jobs.result(run_id))
@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from infra.scheduler import admit, load_scheduler
+from flowrl.infra.scheduler import admit, load_scheduler
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ class JobClient:
 
     def metrics(self, run_id: str) -> dict[str, float]:
         """Latest value of every metric of the job's MLflow run (found by job name)."""
-        from infra.tracking import client as mlflow_client
+        from flowrl.infra.tracking import client as mlflow_client
 
         name = _job_name(self.parameters(run_id))
         if name is None:
@@ -188,8 +188,8 @@ class JobClient:
 
     def result(self, run_id: str) -> dict[str, Any] | None:
         """The job's ``result.json`` in storage (model URI, MLflow run), once it finished."""
-        from infra.settings import get_settings
-        from infra.storage import Storage
+        from flowrl.infra.settings import get_settings
+        from flowrl.infra.storage import Storage
 
         params = self.parameters(run_id)
         name = _job_name(params)

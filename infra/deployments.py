@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from infra.scheduler import SchedulerSpec
+from flowrl.infra.scheduler import SchedulerSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PREFECT_YAML = REPO_ROOT / "prefect.yaml"

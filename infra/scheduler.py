@@ -3,7 +3,7 @@
 One work pool for GPU jobs, one work queue per workload class (priority, concurrency limit), a
 pool-level limit, and a strict global concurrency limit (``gpu``) whose slots are the pool's
 GPUs. Admission is Prefect's: queue/pool limits decide when a flow run starts, and a job holds
-``resources.gpus`` slots of the ``gpu`` limit for its whole run (``flows.common.gpu_slots``).
+``resources.gpus`` slots of the ``gpu`` limit for its whole run (``gpu_slots``, entered by ``flowrl.flows.lifecycle.JobRun``).
 ``apply_scheduler`` creates or updates all of it and can run any number of times.
 """
 
@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from infra.settings import get_settings
+from flowrl.infra.settings import get_settings
 
 DEFAULT_FILE = Path(__file__).with_name("scheduler.yaml")
 K8S_TEMPLATE = Path(__file__).parent / "k8s" / "base-job-template.json"

@@ -23,8 +23,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from infra.servers import TEST_CREDENTIALS, free_port, wait_for_http
-from infra.settings import get_settings
+from flowrl.infra.servers import TEST_CREDENTIALS, free_port, wait_for_http
+from flowrl.infra.settings import get_settings
 
 HOST = "127.0.0.1"
 BUCKET = "flowrl"
@@ -226,7 +226,7 @@ def _child_env(state: StackState) -> dict[str, str]:
 
 def _apply_infra(state: StackState, deploy: bool) -> None:
     """``flowrl infra up`` against the new server, in a child process (clean Prefect settings)."""
-    cmd = [sys.executable, "-m", "infra.cli", "infra", "up"]
+    cmd = [sys.executable, "-m", "flowrl", "infra", "up"]
     if not deploy:
         cmd.append("--no-deployments")
     root = Path(__file__).resolve().parent.parent
@@ -234,7 +234,7 @@ def _apply_infra(state: StackState, deploy: bool) -> None:
 
 
 def _pool_name(state: StackState) -> str:
-    from infra.scheduler import load_scheduler
+    from flowrl.infra.scheduler import load_scheduler
 
     return load_scheduler().pool.name
 

@@ -228,7 +228,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, or its bytes do not match its manifest."""
 
 
-def step_dir(prefix: str, step: int) -> str:
+def checkpoint_dir(prefix: str, step: int) -> str:
     return f"{prefix.strip('/')}/step-{step:08d}"
 
 
@@ -239,7 +239,7 @@ def commit_checkpoint(
 
     Idempotent: committing the same step again overwrites it.
     """
-    folder = step_dir(prefix, step)
+    folder = checkpoint_dir(prefix, step)
     for name, data in files.items():
         storage.write_bytes(f"{folder}/{name}", data)
     entries = {
@@ -253,7 +253,7 @@ def commit_checkpoint(
 
 def _is_complete(storage: Storage, prefix: str, step: int) -> bool:
     """Manifest present and every listed file present with its manifest size (no hashing)."""
-    folder = step_dir(prefix, step)
+    folder = checkpoint_dir(prefix, step)
     try:
         manifest = storage.read_json(f"{folder}/{MANIFEST}")
         found = storage.sizes(folder)
@@ -284,7 +284,7 @@ def latest_checkpoint(storage: Storage, prefix: str) -> int | None:
 
 def load_checkpoint(storage: Storage, prefix: str, step: int) -> tuple[dict[str, bytes], dict]:
     """Read a checkpoint's (files, meta), verifying each file's size and sha256."""
-    folder = step_dir(prefix, step)
+    folder = checkpoint_dir(prefix, step)
     try:
         manifest = storage.read_json(f"{folder}/{MANIFEST}")
     except FileNotFoundError as error:
@@ -317,8 +317,8 @@ def prune_checkpoints(storage: Storage, prefix: str, keep: int) -> list[int]:
     doomed = [s for s in complete[keep:] if s != latest]
     for step in doomed:
         # Manifest first: an interrupted prune leaves a folder that reads as incomplete.
-        storage.delete(f"{step_dir(prefix, step)}/{MANIFEST}")
-        storage.delete(step_dir(prefix, step))
+        storage.delete(f"{checkpoint_dir(prefix, step)}/{MANIFEST}")
+        storage.delete(checkpoint_dir(prefix, step))
     return doomed
 
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from typing import Any
 
 import mlflow
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param
+from mlflow.entities import Metric, Param, RunTag
 
-from infra.settings import get_settings
+from flowrl.infra.settings import get_settings
 
 # Names whose values must never reach MLflow params, even if a config grows such a field.
 _SECRET_HINTS = ("secret", "password", "token", "key_id", "access_key", "credential")
@@ -58,11 +59,32 @@ def start_run(
 
 
 def log_metrics(run_id: str, metrics: dict[str, float], step: int) -> None:
-    import time
-
     now = int(time.time() * 1000)
     batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
     client().log_batch(run_id, metrics=batch)
+
+
+def log_series(run_id: str, name: str, values: list[float], first_step: int) -> None:
+    """One metric's values at consecutive steps from ``first_step`` (e.g. per-step losses)."""
+    now = int(time.time() * 1000)
+    batch = [Metric(name, float(v), now, first_step + i) for i, v in enumerate(values)]
+    client().log_batch(run_id, metrics=batch)
+
+
+def set_tags(run_id: str, tags: dict[str, str]) -> None:
+    client().log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+
+def alias_version(name: str, alias: str) -> str | None:
+    """The version of registered model ``name`` that ``alias`` names now, or None."""
+    try:
+        return str(client().get_model_version_by_alias(name, alias).version)
+    except mlflow.exceptions.MlflowException:
+        return None
+
+
+def set_alias(name: str, alias: str, version: str) -> None:
+    client().set_registered_model_alias(name, alias, version)
 
 
 def log_json(run_id: str, obj: Any, artifact_file: str) -> None:

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
-from agent_loop.loop import LoopLimits, run_episodes
-from agent_loop.types import SampleResult, Trajectory
-from backends.actors import PolicyRef, sampler
-from backends.models import HFChatFormat, load_tokenizer, resolve_model_uri
-from backends.vlm import image_seq_length
-from environments.types import Environment
-from tasks.types import EvalResult
+from flowrl.agent_loop.loop import LoopLimits, run_episodes
+from flowrl.agent_loop.types import SampleResult, Trajectory
+from flowrl.backends.actors import PolicyRef, sampler
+from flowrl.backends.models import HFChatFormat, load_tokenizer, resolve_model_uri
+from flowrl.backends.vlm import image_seq_length
+from flowrl.environments.types import Environment
+from flowrl.tasks.types import EvalResult
 
 
 @lru_cache(maxsize=8)
@@ -125,18 +126,11 @@ def evaluate_policy(
     limits: LoopLimits,
     make_env: Callable[[str], Environment] | None = None,
 ) -> EvalResult:
-    """Greedy episodes over the environment's fixed held-out set (in-process envs by default)."""
-    import time
-
+    """Episodes over the environment's fixed held-out set (in-process envs by default);
+    ``limits`` are greedy ones for an evaluation (``rollout.limits(greedy=True)``)."""
     start = time.perf_counter()
-    greedy = LoopLimits(
-        max_turns=limits.max_turns,
-        max_new_tokens=limits.max_new_tokens,
-        max_context_tokens=limits.max_context_tokens,
-        temperature=0.0,
-    )
     trajectories = run_group_episodes(
-        make_env or task_cfg, task_cfg.eval_set(), 1, policy, chat, greedy, seed=0, id_prefix="eval"
+        make_env or task_cfg, task_cfg.eval_set(), 1, policy, chat, limits, seed=0, id_prefix="eval"
     )
     ok = [t for t in trajectories if not t.failed]
     return EvalResult(

@@ -14,13 +14,9 @@ import json
 from dataclasses import asdict
 from typing import Any
 
-from agent_loop.types import StopReason, Trajectory
-from backends.types import Datum
-from infra.storage import Storage
-
-
-def step_dir(prefix: str, step: int) -> str:
-    return f"{prefix}/steps/{step:08d}"
+from flowrl.agent_loop.types import StopReason, Trajectory
+from flowrl.backends.types import Datum
+from flowrl.infra.storage import Storage
 
 
 def save_trajectories(storage: Storage, rel: str, trajectories: list[Trajectory]) -> None:

@@ -13,32 +13,26 @@ import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from agent_loop.loop import LoopLimits
-from backends.actors import PolicyRef, sampler, sync_weights, trainer
-from backends.algorithms import get_advantage_estimator, kl_penalized_rewards
-from backends.types import Datum
-from environments.remote import env_factory_for
-from infra.config import RLJobConfig
-from infra.storage import Storage, prune_checkpoints
-from tasks.common import (
+from flowrl.backends.actors import PolicyRef, sampler, sync_weights, trainer
+from flowrl.backends.algorithms import get_advantage_estimator, kl_penalized_rewards
+from flowrl.backends.types import Datum
+from flowrl.environments.remote import env_factory_for
+from flowrl.infra.storage import Storage, prune_checkpoints
+from flowrl.tasks.common import (
     chat_format,
     derived_seed,
     episode_metrics,
     evaluate_policy,
     run_group_episodes,
 )
-from tasks.records import load_data, load_trajectories, save_data, save_trajectories, step_dir
-from tasks.types import EvalResult, JobContext, RolloutBatch, ScoredBatch
-
-
-def loop_limits(cfg: RLJobConfig) -> LoopLimits:
-    r = cfg.rollout
-    return LoopLimits(
-        max_turns=r.max_turns,
-        max_new_tokens=r.max_new_tokens,
-        max_context_tokens=r.max_context_tokens,
-        temperature=r.temperature,
-    )
+from flowrl.tasks.jobs import RLJobConfig
+from flowrl.tasks.records import (
+    load_data,
+    load_trajectories,
+    save_data,
+    save_trajectories,
+)
+from flowrl.tasks.types import EvalResult, JobContext, RolloutBatch, ScoredBatch, UpdateResult
 
 
 @task(name="rollout", cache_policy=NO_CACHE)
@@ -64,13 +58,13 @@ def rollout(
         cfg.rollout.group_size,
         policy,
         chat_format(model_uri, ctx.cache_dir),
-        loop_limits(cfg),
+        cfg.rollout.limits(),
         seed=derived_seed(cfg.seed, "rollout", step),
         id_prefix=f"s{step}",
     )
     if sampler(policy).get_weights_version() != version:  # a sync mid-rollout mixes two policies
         raise RuntimeError(f"step {step}: the sampler's weights changed during the rollout")
-    rel = f"{step_dir(ctx.prefix, step)}/trajectories.json"
+    rel = f"{ctx.step_dir(step)}/trajectories.json"
     save_trajectories(Storage(ctx.storage_url), rel, trajectories)
     return RolloutBatch(step, rel, source.state(), time.perf_counter() - start, version)
 
@@ -86,11 +80,17 @@ def score(cfg: RLJobConfig, ctx: JobContext, batch: RolloutBatch) -> ScoredBatch
         "rollout/failed_episodes": float(len(trajectories) - len(ok)),
         "rollout/sampled_tokens": float(sum(t.num_sampled_tokens for t in ok)),
         "rollout/tokens_per_s": sum(t.num_sampled_tokens for t in ok) / max(batch.seconds, 1e-9),
-        "time/rollout_s": batch.seconds,
     }
     if not ok:
-        metrics |= {"reward/mean": 0.0, "time/reward_s": time.perf_counter() - start}
-        return ScoredBatch(batch.step, None, metrics, weights_version=batch.weights_version)
+        metrics["reward/mean"] = 0.0
+        return ScoredBatch(
+            batch.step,
+            None,
+            metrics,
+            weights_version=batch.weights_version,
+            rollout_seconds=batch.seconds,
+            seconds=time.perf_counter() - start,
+        )
     rewards_N = torch.tensor([t.reward for t in ok], dtype=torch.float32)
     groups_N = torch.tensor([t.group_id for t in ok])
     advantages_N = get_advantage_estimator(cfg.algorithm.advantage)(rewards_N, groups_N)
@@ -105,13 +105,20 @@ def score(cfg: RLJobConfig, ctx: JobContext, batch: RolloutBatch) -> ScoredBatch
         "reward/nonzero_advantage_frac": float((advantages_N.abs() > 1e-8).float().mean()),
     }
     samples = [{"reward": t.reward, "messages": t.messages} for t in ok[:: cfg.rollout.group_size]]
-    rel = f"{step_dir(ctx.prefix, batch.step)}/data.json"
+    rel = f"{ctx.step_dir(batch.step)}/data.json"
     save_data(storage, rel, data)
     if _kl_in_reward(cfg):  # the update stage re-scores with the reference model's KL
         groups = {"rewards": rewards_N.tolist(), "group_ids": groups_N.tolist()}
-        storage.write_json(f"{step_dir(ctx.prefix, batch.step)}/rewards.json", groups)
-    metrics["time/reward_s"] = time.perf_counter() - start
-    return ScoredBatch(batch.step, rel, metrics, samples[:4], batch.weights_version)
+        storage.write_json(f"{ctx.step_dir(batch.step)}/rewards.json", groups)
+    return ScoredBatch(
+        batch.step,
+        rel,
+        metrics,
+        samples[:4],
+        batch.weights_version,
+        rollout_seconds=batch.seconds,
+        seconds=time.perf_counter() - start,
+    )
 
 
 def _kl_in_reward(cfg: RLJobConfig) -> bool:
@@ -150,7 +157,7 @@ def _penalise_with_kl(
 @task(name="update", cache_policy=NO_CACHE)
 def update(
     cfg: RLJobConfig, ctx: JobContext, policy: PolicyRef, scored: ScoredBatch
-) -> dict[str, float]:
+) -> UpdateResult:
     """One optimiser step on the scored batch, then weight sync trainer → sampler.
 
     With ``schedule.off_policy_steps: 1`` the next step's rollout is still running on the
@@ -159,13 +166,13 @@ def update(
     start = time.perf_counter()
     storage = Storage(ctx.storage_url)
     if scored.data is None:
-        return {"train/skipped": 1.0, "time/update_s": time.perf_counter() - start}
+        return UpdateResult({"train/skipped": 1.0}, time.perf_counter() - start)
     worker = trainer(policy)
     staleness = _staleness(cfg, worker, scored)
     data = load_data(storage, scored.data)
     kl_metrics: dict[str, float] = {}
     if _kl_in_reward(cfg):
-        rewards = storage.read_json(f"{step_dir(ctx.prefix, scored.step)}/rewards.json")
+        rewards = storage.read_json(f"{ctx.step_dir(scored.step)}/rewards.json")
         data, kl_metrics = _penalise_with_kl(cfg, worker, data, rewards)
     loss_config = cfg.algorithm.loss_config()
     computed = time.perf_counter()
@@ -177,13 +184,13 @@ def update(
     if cfg.schedule.off_policy_steps == 0:
         sync_weights(policy)
     synced = time.perf_counter()
-    storage.delete(step_dir(ctx.prefix, scored.step))  # the step's records are consumed
-    out = {f"train/{k}": float(v) for k, v in metrics.items()}
-    return out | {
-        "time/train_s": trained - computed,
-        "time/sync_s": synced - trained,
-        "time/update_s": time.perf_counter() - start,
-    }
+    storage.delete(ctx.step_dir(scored.step))  # the step's records are consumed
+    return UpdateResult(
+        {f"train/{k}": float(v) for k, v in metrics.items()},
+        seconds=time.perf_counter() - start,
+        train_seconds=trained - computed,
+        sync_seconds=synced - trained,
+    )
 
 
 def _staleness(cfg: RLJobConfig, worker: Any, scored: ScoredBatch) -> dict[str, float]:
@@ -202,11 +209,12 @@ def _staleness(cfg: RLJobConfig, worker: Any, scored: ScoredBatch) -> dict[str, 
 
 
 @task(name="sync", cache_policy=NO_CACHE)
-def weight_sync(policy: PolicyRef) -> dict[str, float]:
-    """Weight sync trainer → sampler once no rollout is running (off-policy pipeline)."""
+def weight_sync(policy: PolicyRef) -> float:
+    """Weight sync trainer → sampler once no rollout is running (off-policy pipeline); returns
+    its seconds."""
     start = time.perf_counter()
     sync_weights(policy)
-    return {"time/sync_s": time.perf_counter() - start}
+    return time.perf_counter() - start
 
 
 @task(name="eval", cache_policy=NO_CACHE)
@@ -214,7 +222,8 @@ def evaluate(cfg: RLJobConfig, ctx: JobContext, model_uri: str, policy: PolicyRe
     """Greedy accuracy on the environment's fixed held-out set."""
     chat = chat_format(model_uri, ctx.cache_dir)
     make_env = env_factory_for(cfg.env, ctx.run_name)
-    return evaluate_policy(cfg.env.task(), policy, chat, loop_limits(cfg), make_env)
+    limits = cfg.rollout.limits(greedy=True)
+    return evaluate_policy(cfg.env.task(), policy, chat, limits, make_env)
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)

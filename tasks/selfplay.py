@@ -13,15 +13,14 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from agent_loop.coordinator import run_multiagent_episodes
-from backends.actors import PolicyRef
-from environments.gomoku_duel import GomokuDuel
-from infra.config import SelfPlayJobConfig
-from infra.storage import Storage
-from tasks.common import SeededSampler, chat_format, derived_seed, episode_metrics
-from tasks.records import save_trajectories, step_dir
-from tasks.rl import loop_limits
-from tasks.types import JobContext, RolloutBatch
+from flowrl.agent_loop.coordinator import run_multiagent_episodes
+from flowrl.backends.actors import PolicyRef
+from flowrl.environments.gomoku_duel import GomokuDuel
+from flowrl.infra.storage import Storage
+from flowrl.tasks.common import SeededSampler, chat_format, derived_seed, episode_metrics
+from flowrl.tasks.jobs import SelfPlayJobConfig
+from flowrl.tasks.records import save_trajectories
+from flowrl.tasks.types import DuelResult, JobContext, RolloutBatch
 
 
 def agent_context(ctx: JobContext, agent: str) -> JobContext:
@@ -38,11 +37,9 @@ def _duel(
     policies: dict[str, PolicyRef],
     rows: list[dict[str, Any]],
     seed: int,
-    temperature: float | None = None,
+    greedy: bool = False,
 ):
-    limits = loop_limits(cfg)
-    if temperature is not None:
-        limits = dataclasses.replace(limits, temperature=temperature)
+    limits = cfg.rollout.limits(greedy=greedy)
     samplers = {a: SeededSampler(p, derived_seed(seed, a)) for a, p in policies.items()}
     envs = [GomokuDuel(cfg.env.task()) for _ in rows]
     chat = chat_format(model_uri, ctx.cache_dir)
@@ -56,7 +53,7 @@ def duel_rollout(
     model_uri: str,
     policies: dict[str, PolicyRef],
     step: int,
-) -> dict[str, Any]:
+) -> DuelResult:
     """``prompts_per_step`` openings × ``group_size`` games between the agents.
 
     Returns, per trained policy, a ``RolloutBatch`` over its trajectories (both sides' for a
@@ -75,10 +72,10 @@ def duel_rollout(
     for owner in trained_policies(cfg):
         trajectories = [t for a in (cfg.agents if owner == "shared" else (owner,)) for t in out[a]]
         own = agent_context(ctx, owner)
-        rel = f"{step_dir(own.prefix, step)}/trajectories.json"
+        rel = f"{own.step_dir(step)}/trajectories.json"
         save_trajectories(storage, rel, trajectories)
         batches[owner] = RolloutBatch(step, rel, {}, time.perf_counter() - started)
-    return {"batches": batches, "metrics": metrics}
+    return DuelResult(batches, metrics)
 
 
 @task(name="head-to-head", cache_policy=NO_CACHE)
@@ -87,7 +84,7 @@ def head_to_head(
 ) -> dict[str, float]:
     """Greedy games between the agents, each side opening half of them: X's win/draw/loss."""
     rows = [{"first": "X"}, {"first": "O"}]
-    envs, _ = _duel(cfg, ctx, model_uri, policies, rows, seed=0, temperature=0.0)
+    envs, _ = _duel(cfg, ctx, model_uri, policies, rows, seed=0, greedy=True)
     winners = [env.winner() for env in envs]
     return {
         "h2h/x_wins": float(winners.count("X")),

@@ -5,19 +5,20 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from backends.actors import PolicyRef, sampler, sync_weights, trainer
-from environments.data import StaticSource, load_rows
-from infra.sft_config import SFTJobConfig
-from infra.storage import Storage
-from tasks.common import chat_format
-from tasks.model import sft_datum
-from tasks.types import JobContext
+from flowrl.backends.actors import PolicyRef, sampler, sync_weights, trainer
+from flowrl.backends.types import Datum
+from flowrl.environments.data import StaticSource, load_rows
+from flowrl.infra.storage import Storage
+from flowrl.tasks.common import chat_format
+from flowrl.tasks.jobs import SFTJobConfig
+from flowrl.tasks.types import ExactMatch, JobContext
 
 EVAL_BATCH = 64
 """Conversations per sampler call at evaluation."""
@@ -41,6 +42,60 @@ class SFTChunk:
     cursor: dict[str, Any]
     seconds: float
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def sft_datum(chat: Any, messages: list[dict[str, Any]]) -> Datum:
+    """A conversation as the agent loop would have produced it: every assistant message is
+    trained on (mask 1) exactly as the sampler emits it (content + stop token); the opening
+    messages and every later user/tool message are injected (mask 0) with ``encode_turn``.
+
+    Images: a user/tool message's content may be parts where an image part carries its
+    encoded bytes, ``{"type": "image", "image": b"..."}``; they become ``Datum.images`` in
+    order and the part is rendered (as its image tokens) exactly as the agent loop renders it."""
+    messages, images = _split_images(messages)
+    first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    tokens = chat.encode_prompt(messages[:first])
+    mask = [0] * len(tokens)
+    for message in messages[first:]:
+        if message["role"] == "assistant":
+            piece = chat.tokenizer.encode(message["content"], add_special_tokens=False)
+            piece, flag = piece + chat.stop_token_ids[:1], 1
+        else:
+            piece, flag = chat.encode_turn(message), 0
+        tokens, mask = tokens + piece, mask + [flag] * len(piece)
+    return Datum(tokens, mask, images=images)
+
+
+def _split_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """The messages with image parts reduced to ``{"type": "image"}``, and the images' bytes."""
+    images: list[bytes] = []
+    out = []
+    for message in messages:
+        if isinstance(message.get("content"), list):
+            parts = []
+            for part in message["content"]:
+                if part.get("type") == "image":
+                    images.append(bytes(part["image"]))
+                    part = {"type": "image"}
+                parts.append(part)
+            message = {**message, "content": parts}
+        out.append(message)
+    return out, images
+
+
+def sft_steps(
+    policy: PolicyRef, chat: Any, batches: Iterable[list[list[dict[str, Any]]]]
+) -> tuple[list[float], dict[str, float]]:
+    """One optimiser step per batch of conversations (loss on assistant tokens only), then a
+    weight sync to the sampler. The one SFT loop: warm-up and the SFT job both run it.
+    Returns each step's loss and the last step's optimiser stats."""
+    worker, losses, stats = trainer(policy), [], {}
+    for conversations in batches:
+        data = [sft_datum(chat, messages) for messages in conversations]
+        losses.append(worker.forward_backward(data, "cross_entropy")["loss"])
+        stats = worker.optim_step()
+    sync_weights(policy)
+    return losses, stats
 
 
 def _check_rows(rows: list[dict[str, Any]], uri: str) -> list[dict[str, Any]]:
@@ -86,15 +141,11 @@ def train_steps(
     source = StaticSource(Storage(ctx.storage_url).read_json(data.train), seed=cfg.seed)
     if cursor:
         source.load_state(cursor)
-    chat, worker = chat_format(model_uri, ctx.cache_dir), trainer(policy)
-    losses = []
-    for _ in range(num_steps):
-        batch = [
-            sft_datum(chat, row["messages"]) for row in source.next_batch(cfg.train.batch_size)
-        ]
-        losses.append(worker.forward_backward(batch, "cross_entropy")["loss"])
-        stats = worker.optim_step()
-    sync_weights(policy)
+    batches = (
+        [row["messages"] for row in source.next_batch(cfg.train.batch_size)]
+        for _ in range(num_steps)
+    )
+    losses, stats = sft_steps(policy, chat_format(model_uri, ctx.cache_dir), batches)
     seconds = time.perf_counter() - start
     metrics = {"train/grad_norm": stats["grad_norm"], "time/steps_per_s": num_steps / seconds}
     return SFTChunk(losses, source.state(), seconds, metrics)
@@ -109,7 +160,7 @@ def _prompt_and_answer(messages: list[dict[str, Any]]) -> tuple[list[dict[str, A
 @task(name="sft-eval", cache_policy=NO_CACHE)
 def evaluate_exact_match(
     cfg: SFTJobConfig, ctx: JobContext, model_uri: str, policy: PolicyRef, data: SFTData
-) -> dict[str, float]:
+) -> ExactMatch:
     """Greedy answer to each held-out conversation's last assistant turn; exact match rate
     (after stripping whitespace)."""
     start = time.perf_counter()
@@ -123,7 +174,4 @@ def evaluate_exact_match(
         results = sampler(policy).sample(prompts, cfg.train.max_new_tokens, 0.0, cfg.seed)
         for (_, answer), result in zip(chunk, results, strict=True):
             hits += chat.decode(result.tokens).strip() == answer.strip()
-    return {
-        "eval/exact_match": hits / max(len(pairs), 1),
-        "eval/seconds": time.perf_counter() - start,
-    }
+    return ExactMatch(hits / max(len(pairs), 1), time.perf_counter() - start)

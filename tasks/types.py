@@ -26,6 +26,10 @@ class JobContext:
     def checkpoint_prefix(self) -> str:
         return f"{self.prefix}/checkpoints"
 
+    def step_dir(self, step: int) -> str:
+        """Where one step's records (trajectories, training data) live until consumed."""
+        return f"{self.prefix}/steps/{step:08d}"
+
 
 @dataclass(frozen=True)
 class RolloutBatch:
@@ -53,6 +57,65 @@ class ScoredBatch:
     """A few transcripts for the sample-trajectories artifact."""
     weights_version: int | None = None
     """The rollout's ``RolloutBatch.weights_version``, for the update's staleness check."""
+    rollout_seconds: float = 0.0
+    """The rollout stage's own time (from its ``RolloutBatch``)."""
+    seconds: float = 0.0
+    """The reward stage's own time."""
+
+
+@dataclass(frozen=True)
+class UpdateResult:
+    """What the update stage did: MLflow metrics (``train/*``) and where its time went."""
+
+    metrics: dict[str, float]
+    seconds: float
+    """The whole stage."""
+    train_seconds: float = 0.0
+    """forward_backward + optim_step."""
+    sync_seconds: float = 0.0
+    """Weight sync trainer → sampler (0 when the flow syncs later, off-policy)."""
+
+
+@dataclass(frozen=True)
+class WarmupResult:
+    """The model RL starts from, and how the SFT warm-up got there."""
+
+    model_uri: str
+    accuracy: float | None
+    """Held-out accuracy at the end of warm-up (None: warm-up disabled or skipped)."""
+    steps: int
+    cached: bool
+    """True when an earlier job's identical warm-up was reused from storage."""
+
+
+@dataclass(frozen=True)
+class DuelResult:
+    """One self-play step's games: a ``RolloutBatch`` per trained policy, per-agent metrics."""
+
+    batches: dict[str, RolloutBatch]
+    metrics: dict[str, float]
+
+
+@dataclass(frozen=True)
+class InferenceOutput:
+    """Where batch inference wrote its episodes (JSONL), and their metrics."""
+
+    uri: str
+    accuracy: float
+    reward_mean: float
+    num_episodes: int
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExactMatch:
+    """Greedy exact match of held-out conversations' last assistant turn (SFT evaluation)."""
+
+    exact_match: float
+    seconds: float
+
+    def metrics(self) -> dict[str, float]:
+        return {"eval/exact_match": self.exact_match, "eval/seconds": self.seconds}
 
 
 @dataclass(frozen=True)

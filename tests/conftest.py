@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from infra.servers import MotoServer
+from flowrl.infra.servers import MotoServer
 
 # Applied when this file is imported, i.e. before any test module is collected: torch, Ray and
 # Prefect read these at import time, so an autouse fixture would come too late.
@@ -114,7 +114,7 @@ def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     on a small scheduler declaration: pool limit 2, queues hi (2, priority 1) and lo (1,
     priority 2), 2 GPU slots. Deployments are made by the tests that need them. Yields the
     ``StackState``; stopped by PID at the end (worker first)."""
-    from infra import stack
+    from flowrl.infra import stack
 
     home = tmp_path_factory.mktemp("stack-home")
     declaration = home / "scheduler.yaml"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from agent_loop.types import SampleResult
-from environments.types import StepResult
+from flowrl.agent_loop.types import SampleResult
+from flowrl.environments.types import StepResult
 
 SYSTEM, USER, ASSISTANT, END, IMAGE = 256, 257, 258, 259, 260
 """Special ids of ``ByteChat``: role markers, the end-of-message (stop) token, an image token."""

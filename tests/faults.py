@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from infra.servers import free_port
+from flowrl.infra.servers import free_port
 
 _REQUEST_LINE = re.compile(rb"(GET|PUT|POST|HEAD|DELETE) (\S+) HTTP/1\.[01]")
 

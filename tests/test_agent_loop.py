@@ -19,9 +19,9 @@ from fakes import (
     text_ids,
 )
 
-from agent_loop.loop import LoopLimits, run_episodes
-from agent_loop.types import StopReason
-from environments.arithmetic import ArithmeticEnv
+from flowrl.agent_loop.loop import LoopLimits, run_episodes
+from flowrl.agent_loop.types import StopReason
+from flowrl.environments.arithmetic import ArithmeticEnv
 
 CHAT = ByteChat()
 

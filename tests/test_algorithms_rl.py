@@ -15,16 +15,17 @@ from typing import Any
 import pytest
 import torch
 
-from backends.actors import sampler, start_policy, stop_policy, sync_weights, trainer
-from backends.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
-from backends.types import WorkerSpec
-from infra.config import RLJobConfig
-from infra.storage import Storage
-from tasks.common import chat_format
-from tasks.model import prepare_model, sft_datum
-from tasks.records import load_data
-from tasks.rl import rollout, score, update
-from tasks.types import JobContext
+from flowrl.backends.actors import sampler, start_policy, stop_policy, sync_weights, trainer
+from flowrl.backends.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from flowrl.backends.types import WorkerSpec
+from flowrl.infra.storage import Storage
+from flowrl.tasks.common import chat_format
+from flowrl.tasks.jobs import RLJobConfig
+from flowrl.tasks.model import prepare_model
+from flowrl.tasks.records import load_data
+from flowrl.tasks.rl import rollout, score, update
+from flowrl.tasks.sft import sft_datum
+from flowrl.tasks.types import JobContext
 
 torch.set_num_threads(1)
 _names = itertools.count()
@@ -109,7 +110,7 @@ def test_each_algorithm_trains_by_config_change(overrides, warm_model, ctx):
             assert scored.data is not None
             data = load_data(Storage(job.storage_url), scored.data)
             before = _weighted_loglik(trainer(policy), data, cfg.rollout.temperature)
-            stats = update.fn(cfg, job, policy, scored)
+            stats = update.fn(cfg, job, policy, scored).metrics
             after = _weighted_loglik(trainer(policy), data, cfg.rollout.temperature)
             if scored.metrics["reward/nonzero_advantage_frac"] > 0:
                 rises.append(after > before)
@@ -161,8 +162,9 @@ def test_reference_is_the_starting_policy(warm_model, ctx):
 
 
 def test_unknown_names_fail_in_the_config():
-    from infra.config import ConfigError, load_config
+    from flowrl.infra.configfile import ConfigError
+    from flowrl.tasks.jobs import load_job
 
     for key in ("advantage", "loss", "loss_agg", "kl_estimator"):
         with pytest.raises(ConfigError, match=f"algorithm.{key}"):
-            load_config(None, [f"algorithm.{key}=nonsense"])
+            load_job(None, [f"algorithm.{key}=nonsense"])

@@ -8,14 +8,14 @@ import time
 
 import pytest
 
-from environments.calculator import (
+from flowrl.environments.calculator import (
     MAX_EXPR_CHARS,
     CalculatorError,
     calculate,
     evaluate,
     format_number,
 )
-from environments.tool_math import ToolMathEnv, tool_call_text
+from flowrl.environments.tool_math import ToolMathEnv, tool_call_text
 
 SENTINEL = "/tmp/flowrl-calculator-sentinel"
 

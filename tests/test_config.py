@@ -8,22 +8,23 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import ConfigError, RLJobConfig, load_config, parse_overrides
-from infra.settings import Settings
+from flowrl.infra.configfile import ConfigError, parse_overrides
+from flowrl.infra.settings import Settings
+from flowrl.tasks.jobs import RLJobConfig, load_job
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_shipped_configs_validate():
-    from infra.config import SelfPlayJobConfig
+    from flowrl.tasks.jobs import SelfPlayJobConfig
 
     for path in sorted((REPO / "configs").glob("*.yaml")):
         kind = SelfPlayJobConfig if "selfplay" in path.name else RLJobConfig
-        assert isinstance(load_config(path, kind=kind), kind), path
+        assert isinstance(load_job(path, kind=kind), kind), path
 
 
 def test_overrides_are_typed_and_nested():
-    cfg = load_config(None, ["schedule.steps=7", "model.lora.enabled=true", "seed=3"])
+    cfg = load_job(None, ["schedule.steps=7", "model.lora.enabled=true", "seed=3"])
     assert cfg.schedule.steps == 7 and cfg.model.lora.enabled is True and cfg.seed == 3
     assert parse_overrides(["env.params.operators=['+', '-']"]) == {
         "env": {"params": {"operators": ["+", "-"]}}
@@ -45,22 +46,22 @@ def test_overrides_are_typed_and_nested():
 )
 def test_bad_values_name_the_field(overrides, named):
     with pytest.raises(ConfigError) as err:
-        load_config(None, overrides)
+        load_job(None, overrides)
     assert named in str(err.value)
 
 
 def test_missing_file_and_malformed_override():
     with pytest.raises(ConfigError, match="not found"):
-        load_config("/nonexistent/job.yaml")
+        load_job("/nonexistent/job.yaml")
     with pytest.raises(ConfigError, match="key=value"):
-        load_config(None, ["schedule.steps"])
+        load_job(None, ["schedule.steps"])
 
 
 def test_cli_rejects_bad_config_before_starting_anything(tmp_path):
     """Exit code 2, the field named on stderr, and no job state written anywhere."""
     env = {"FLOWRL_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"}
     proc = subprocess.run(
-        [sys.executable, "-m", "infra.cli", "train", "--set", "rollout.temperature=-1"],
+        [sys.executable, "-m", "flowrl", "train", "--set", "rollout.temperature=-1"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -96,7 +97,7 @@ def _dotted_fields(model, prefix=""):
 
 
 def test_readme_documents_every_config_field():
-    from environments.registry import ENVIRONMENTS
+    from flowrl.environments.registry import ENVIRONMENTS
 
     readme = (REPO / "README.md").read_text()
     missing = [f for f in _dotted_fields(RLJobConfig) if f"`{f}`" not in readme]

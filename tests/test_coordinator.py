@@ -8,11 +8,11 @@ import re
 import pytest
 from fakes import ByteChat, say
 
-from agent_loop.coordinator import run_multiagent_episodes
-from agent_loop.loop import LoopLimits
-from agent_loop.types import SampleResult, StopReason
-from environments.gomoku import PLAYER_O, PLAYER_X, GomokuTask
-from environments.gomoku_duel import GomokuDuel
+from flowrl.agent_loop.coordinator import run_multiagent_episodes
+from flowrl.agent_loop.loop import LoopLimits
+from flowrl.agent_loop.types import SampleResult, StopReason
+from flowrl.environments.gomoku import PLAYER_O, PLAYER_X, GomokuTask
+from flowrl.environments.gomoku_duel import GomokuDuel
 
 TASK = GomokuTask.tic_tac_toe(move_format="cell", max_invalid_moves=2, invalid_move_reward=-0.1)
 LIMITS = LoopLimits(max_turns=12, max_new_tokens=4, max_context_tokens=2048)

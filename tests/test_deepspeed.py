@@ -9,10 +9,10 @@ import deepspeed  # noqa: E402,F401  (dev extra: a missing install fails, never 
 import pytest
 import torch
 
-from backends.deepspeed_trainer import DeepSpeedTrainer, DeepSpeedZero3Trainer  # noqa: E402
-from backends.hf_workers import HFSampler  # noqa: E402
-from backends.models import TinyModelSpec, build_tiny_model  # noqa: E402
-from backends.types import Datum, LoraSettings, WorkerSpec  # noqa: E402
+from flowrl.backends.deepspeed_trainer import DeepSpeedTrainer, DeepSpeedZero3Trainer  # noqa: E402
+from flowrl.backends.hf_workers import HFSampler  # noqa: E402
+from flowrl.backends.models import TinyModelSpec, build_tiny_model  # noqa: E402
+from flowrl.backends.types import Datum, LoraSettings, WorkerSpec  # noqa: E402
 
 torch.set_num_threads(1)
 TARGET = [5, 9, 14, 7, 3, 11]  # any token ids: the model is asked to memorise this sequence

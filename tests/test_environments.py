@@ -10,10 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 from pydantic import ValidationError
 
-from environments.arithmetic import ArithmeticEnv, ArithmeticTask
-from environments.data import GeneratedSource, StaticSource, load_rows
-from environments.registry import ENVIRONMENTS, make_task
-from environments.types import DataSource, Environment
+from flowrl.environments.arithmetic import ArithmeticEnv, ArithmeticTask
+from flowrl.environments.data import GeneratedSource, StaticSource, load_rows
+from flowrl.environments.registry import ENVIRONMENTS, make_task
+from flowrl.environments.types import DataSource, Environment
 
 # --- ArithmeticEnv ------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import statistics
 import pytest
 import torch
 
-from infra.config import load_config
+from flowrl.tasks.jobs import load_job
 
 pytestmark = pytest.mark.e2e
 
@@ -20,9 +20,9 @@ STEPS = 80
 
 @pytest.fixture(scope="module")
 def trained(prefect_api, flowrl_home):
-    from flows.rl import rl_train
+    from flowrl.flows.rl import rl_train
 
-    config = load_config(
+    config = load_job(
         None,
         [
             "name=arithmetic-e2e",
@@ -36,7 +36,7 @@ def trained(prefect_api, flowrl_home):
 
 
 def _history(run_id: str, metric: str) -> list[float]:
-    from infra.tracking import client
+    from flowrl.infra.tracking import client
 
     points = sorted(client().get_metric_history(run_id, metric), key=lambda m: m.step)
     return [m.value for m in points]
@@ -52,7 +52,7 @@ def test_reward_rises_with_fixed_seeds(trained):
 
 
 def test_mlflow_run_has_per_step_metrics_and_artifacts(trained):
-    from infra.tracking import client
+    from flowrl.infra.tracking import client
 
     _, result = trained
     run = client().get_run(result.mlflow_run_id)
@@ -72,11 +72,15 @@ def test_mlflow_run_has_per_step_metrics_and_artifacts(trained):
 
 
 def test_registered_version_loads_by_uri_and_reproduces_final_accuracy(trained, flowrl_home):
-    from backends.actors import start_policy, stop_policy
-    from backends.models import HFChatFormat, load_causal_lm, load_tokenizer, resolve_model_uri
-    from backends.types import WorkerSpec
-    from tasks.common import evaluate_policy
-    from tasks.rl import loop_limits
+    from flowrl.backends.actors import start_policy, stop_policy
+    from flowrl.backends.models import (
+        HFChatFormat,
+        load_causal_lm,
+        load_tokenizer,
+        resolve_model_uri,
+    )
+    from flowrl.backends.types import WorkerSpec
+    from flowrl.tasks.common import evaluate_policy
 
     config, result = trained
     assert result.model_uri.startswith("models:/arithmetic-e2e/")
@@ -91,15 +95,15 @@ def test_registered_version_loads_by_uri_and_reproduces_final_accuracy(trained, 
     )
     try:
         chat = HFChatFormat(tok)
-        again = evaluate_policy(config.env.task(), policy, chat, loop_limits(config))
+        again = evaluate_policy(config.env.task(), policy, chat, config.rollout.limits(greedy=True))
     finally:
         stop_policy(policy)
     assert again.accuracy == pytest.approx(result.accuracy_end)
 
 
 def test_checkpoints_are_committed_under_the_job_prefix(trained, flowrl_home):
-    from infra.settings import get_settings
-    from infra.storage import Storage, latest_checkpoint
+    from flowrl.infra.settings import get_settings
+    from flowrl.infra.storage import Storage, latest_checkpoint
 
     _, result = trained
     storage = Storage(get_settings().storage_root)
@@ -108,14 +112,14 @@ def test_checkpoints_are_committed_under_the_job_prefix(trained, flowrl_home):
 
 
 def test_second_run_skips_the_cached_warmup(trained):
-    from infra.settings import get_settings
-    from tasks.model import prepare_model, warmup
-    from tasks.types import JobContext
+    from flowrl.infra.settings import get_settings
+    from flowrl.tasks.model import prepare_model, warmup
+    from flowrl.tasks.types import JobContext
 
     config, _ = trained
     s = get_settings()
     ctx = JobContext(config.name, s.storage_root, s.model_cache_dir, run_name="cache-check")
     base_uri = prepare_model.fn(config, ctx)
     again = warmup.fn(config, ctx, base_uri)  # would start actors and train if not cached
-    assert again["cached"] is True
-    assert again["accuracy"] >= config.warmup.target_accuracy
+    assert again.cached is True
+    assert again.accuracy >= config.warmup.target_accuracy

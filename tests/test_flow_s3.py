@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from faults import OutageProxy
 
-from infra.config import load_config
+from flowrl.tasks.jobs import load_job
 
 OUTAGE_S = 20.0
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.e2e
 
 
 def _job(steps: int):
-    return load_config(
+    return load_job(
         None,
         [
             "name=s3-job",
@@ -38,9 +38,9 @@ def test_s3_outage_mid_checkpoint_is_ridden_out_and_the_job_resumes_from_s3(
     never taken, and a resubmission resumes from the last complete one."""
     import s3fs
 
-    from flows.rl import rl_train
-    from infra.storage import Storage, latest_checkpoint, load_checkpoint
-    from infra.tracking import client
+    from flowrl.flows.rl import rl_train
+    from flowrl.infra.storage import Storage, latest_checkpoint, load_checkpoint
+    from flowrl.infra.tracking import client
 
     direct = s3fs.S3FileSystem(skip_instance_cache=True, endpoint_url=moto_s3.endpoint_url)
     ckpt = f"{moto_s3.bucket}/flowrl/jobs/s3-job/checkpoints"

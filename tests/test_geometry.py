@@ -24,17 +24,17 @@ from fakes import (
 )
 from PIL import Image
 
-from agent_loop.loop import LoopLimits, run_episodes
-from environments.geometry import (
+from flowrl.agent_loop.loop import LoopLimits, run_episodes
+from flowrl.environments.geometry import (
     GeometryEnv,
     GeometryTask,
     accepted_answers,
     load_geometry3k,
     save_geometry3k,
 )
-from environments.geometry_figures import KINDS, answer_value, problem_space, render_png
-from environments.registry import make_task
-from environments.types import StepResult
+from flowrl.environments.geometry_figures import KINDS, answer_value, problem_space, render_png
+from flowrl.environments.registry import make_task
+from flowrl.environments.types import StepResult
 
 
 def png(color: str, size: int = 8) -> bytes:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import load_config
+from flowrl.tasks.jobs import load_job
 
 pytestmark = pytest.mark.e2e
 
@@ -19,9 +19,9 @@ STEPS = 2
 
 @pytest.fixture(scope="module")
 def trained(prefect_api, flowrl_home):
-    from flows.rl import rl_train
+    from flowrl.flows.rl import rl_train
 
-    config = load_config(
+    config = load_job(
         REPO / "configs" / "geometry.yaml",
         [
             "name=geometry-e2e",
@@ -38,7 +38,7 @@ def trained(prefect_api, flowrl_home):
 
 
 def test_the_flow_records_accuracy_and_trains_on_figures(trained):
-    from infra.tracking import client
+    from flowrl.infra.tracking import client
 
     _, result = trained
     run = client().get_run(result.mlflow_run_id)
@@ -62,8 +62,8 @@ def test_the_flow_records_accuracy_and_trains_on_figures(trained):
 
 
 def test_the_registered_policy_reloads_as_a_vision_language_model(trained, flowrl_home):
-    from backends.models import load_causal_lm, resolve_model_uri
-    from backends.vlm import image_seq_length
+    from flowrl.backends.models import load_causal_lm, resolve_model_uri
+    from flowrl.backends.vlm import image_seq_length
 
     _, result = trained
     assert result.model_uri == "models:/geometry-e2e/1"

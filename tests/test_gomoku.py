@@ -6,9 +6,9 @@ import pytest
 from fakes import ByteChat, ScriptedSampler, say
 from pydantic import ValidationError
 
-from agent_loop.loop import LoopLimits, run_episodes
-from agent_loop.types import StopReason
-from environments.gomoku import (
+from flowrl.agent_loop.loop import LoopLimits, run_episodes
+from flowrl.agent_loop.types import StopReason
+from flowrl.environments.gomoku import (
     EMPTY,
     PLAYER_O,
     PLAYER_X,
@@ -19,7 +19,7 @@ from environments.gomoku import (
     format_move,
     parse_move,
 )
-from environments.registry import make_task
+from flowrl.environments.registry import make_task
 
 TTT = GomokuTask.tic_tac_toe(opponent_random_fraction=0.0)
 

@@ -7,19 +7,20 @@ import json
 
 import pytest
 
-from infra.config import load_config
+from flowrl.tasks.jobs import load_job
 
 pytestmark = pytest.mark.e2e
 
 
 def test_batch_inference_writes_scored_episodes_and_metrics(prefect_api, flowrl_home):
-    from flows.inference import InferenceJobConfig, batch_inference
-    from flows.rl import rl_train
-    from infra.settings import get_settings
-    from infra.storage import Storage
-    from infra.tracking import client
+    from flowrl.flows.inference import batch_inference
+    from flowrl.tasks.jobs import InferenceJobConfig
+    from flowrl.flows.rl import rl_train
+    from flowrl.infra.settings import get_settings
+    from flowrl.infra.storage import Storage
+    from flowrl.infra.tracking import client
 
-    source = load_config(
+    source = load_job(
         None,
         [
             "name=inference-src",

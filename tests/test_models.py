@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, LlamaForCausalLM
 
-from backends.models import (
+from flowrl.backends.models import (
     CHARSET,
     EOS_TOKEN,
     HFChatFormat,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from infra.config import load_config
-from tasks.types import RolloutBatch
+from flowrl.tasks.jobs import load_job
+from flowrl.tasks.types import RolloutBatch
 
 STEPS, ROWS, EVERY = 6, 4, 3
 PREFIX = "jobs/off-policy-e2e/checkpoints"
@@ -29,7 +29,7 @@ class _Done:
 def _stream(ahead: int, start_cursor: dict | None = None, total: int = 4):
     """A RolloutStream over fake rollouts of ROWS rows each; records every (step, cursor)
     it starts a rollout at."""
-    from flows.common import RolloutStream
+    from flowrl.flows.rollouts import RolloutStream
 
     started: list[tuple[int, dict | None]] = []
 
@@ -67,24 +67,25 @@ def test_resumed_stream_samples_its_first_step_again_from_the_checkpoint_cursor(
 
 
 def test_settle_waits_for_the_rollout_ahead_then_syncs(monkeypatch):
-    import flows.common
+    import flowrl.flows.rollouts
 
     synced = []
-    monkeypatch.setattr(flows.common, "weight_sync", lambda p: synced.append(p) or {"s": 1.0})
+    monkeypatch.setattr(flowrl.flows.rollouts, "weight_sync", lambda p: synced.append(p) or 1.0)
     stream, _ = _stream(ahead=1)
     stream.take(0)
-    assert stream.settle("policy") == {"s": 1.0, "time/rollout_ahead_s": 0.1}
+    settled = stream.settle("policy")
+    assert (settled.rollout_ahead_seconds, settled.sync_seconds) == (0.1, 1.0)
     assert synced == ["policy"]
     on_policy, _ = _stream(ahead=0)
     on_policy.take(0)
-    assert on_policy.settle("policy") == {} and synced == ["policy"]  # update synced already
+    assert on_policy.settle("policy") is None and synced == ["policy"]  # update synced already
 
 
 @pytest.fixture(scope="module")
 def job(prefect_api, flowrl_home):
-    from flows.rl import rl_train
+    from flowrl.flows.rl import rl_train
 
-    config = load_config(
+    config = load_job(
         None,
         [
             "name=off-policy-e2e",
@@ -102,7 +103,7 @@ def job(prefect_api, flowrl_home):
 
 
 def _history(run_id: str, metric: str) -> list[float]:
-    from infra.tracking import client
+    from flowrl.infra.tracking import client
 
     points = sorted(client().get_metric_history(run_id, metric), key=lambda m: m.step)
     return [m.value for m in points]
@@ -134,8 +135,8 @@ def test_next_rollout_starts_before_the_update_ends(job):
 
 @pytest.mark.e2e
 def test_checkpoints_hold_trained_batches_only(job, flowrl_home):
-    from infra.settings import get_settings
-    from infra.storage import Storage, load_checkpoint
+    from flowrl.infra.settings import get_settings
+    from flowrl.infra.storage import Storage, load_checkpoint
 
     storage = Storage(get_settings().storage_root)
     # When step 3's checkpoint was taken, step 4's rollout was done too: it is not in it.

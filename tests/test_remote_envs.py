@@ -14,11 +14,11 @@ import pytest
 import ray
 from fakes import ByteChat, say
 
-from agent_loop.loop import LoopLimits, run_episodes
-from agent_loop.types import SampleResult, StopReason
-from environments.registry import make_task
-from environments.remote import EnvFactory, stop_env_pool
-from infra.servers import free_port, wait_for_http
+from flowrl.agent_loop.loop import LoopLimits, run_episodes
+from flowrl.agent_loop.types import SampleResult, StopReason
+from flowrl.environments.registry import make_task
+from flowrl.environments.remote import EnvFactory, stop_env_pool
+from flowrl.infra.servers import free_port, wait_for_http
 
 REPO = Path(__file__).resolve().parents[1]
 GOMOKU = {"size": 3, "win_length": 3, "move_format": "cell", "max_policy_turns": 9}
@@ -49,7 +49,7 @@ def _start_service():
     """``python -m environments.service`` on a free loopback port; returns (url, process)."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "environments.service", "--port", str(port)],
+        [sys.executable, "-m", "flowrl.environments.service", "--port", str(port)],
         cwd=REPO,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -154,14 +154,15 @@ def test_killing_the_service_mid_run_fails_episodes_cleanly():
     assert all("environment service unreachable" in t.info["error"] for t in failed)
     assert all(len(t.turn_rewards) >= 1 for t in trajectories)  # the first round was played
 
-    from tasks.common import episode_metrics
+    from flowrl.tasks.common import episode_metrics
 
     metrics = episode_metrics(trajectories, "env")
     assert metrics["env/stop_error"] == pytest.approx(len(failed) / len(trajectories))
 
 
 def test_http_mode_needs_a_service_url():
-    from infra.config import ConfigError, load_config
+    from flowrl.infra.configfile import ConfigError
+    from flowrl.tasks.jobs import load_job
 
     with pytest.raises(ConfigError, match="service_url"):
-        load_config(None, ["env.mode=http"])
+        load_job(None, ["env.mode=http"])

@@ -30,7 +30,7 @@ ARGS = [
 
 
 def _train(env: dict[str, str], log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "infra.cli", "train"]
+    cmd = [sys.executable, "-m", "flowrl", "train"]
     for a in ARGS:
         cmd += ["--set", a]
     with open(log, "ab") as out:
@@ -45,7 +45,7 @@ def test_sigkilled_job_resumes_from_its_last_checkpoint(
     import s3fs
     from prefect.settings import PREFECT_API_URL
 
-    from infra.tracking import client
+    from flowrl.infra.tracking import client
 
     storage = f"{moto_s3.url}/flowrl"
     monkeypatch.setenv("FLOWRL_STORAGE_URL", storage)

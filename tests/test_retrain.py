@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from flows.retrain import should_promote
-from infra.config import load_config
+from flowrl.flows.retrain import should_promote
+from flowrl.tasks.jobs import load_job
 
 pytestmark = pytest.mark.e2e
 MODEL = "retrain-model"
@@ -20,9 +20,10 @@ def test_the_gate():
 
 
 def _round(overrides: list[str], min_improvement: float = 0.0):
-    from flows.retrain import RetrainConfig, retrain
+    from flowrl.flows.retrain import retrain
+    from flowrl.tasks.jobs import RetrainConfig
 
-    job = load_config(
+    job = load_job(
         None,
         [
             f"name={MODEL}",
@@ -37,7 +38,7 @@ def _round(overrides: list[str], min_improvement: float = 0.0):
 
 
 def _alias() -> str:
-    from infra.tracking import client
+    from flowrl.infra.tracking import client
 
     return str(client().get_model_version_by_alias(MODEL, "champion").version)
 
@@ -45,7 +46,7 @@ def _alias() -> str:
 def test_better_challenger_is_promoted_worse_one_is_not(prefect_api, flowrl_home):
     from prefect import get_client
 
-    from infra.tracking import client
+    from flowrl.infra.tracking import client
 
     # Round 0: no champion: an untrained tiny model becomes the first champion.
     first = _round(["warmup.enabled=false"])

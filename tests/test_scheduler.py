@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import RLJobConfig, load_config
-from infra.deployments import check_deployments, load_deployments
-from infra.scheduler import AdmissionError, check_admission, load_scheduler
+from flowrl.infra.deployments import check_deployments, load_deployments
+from flowrl.infra.scheduler import AdmissionError, check_admission, load_scheduler
+from flowrl.tasks.jobs import RLJobConfig, load_job
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -42,7 +42,7 @@ def test_every_flow_has_a_deployment_on_a_declared_queue():
 
 
 def test_kubernetes_template_requests_the_jobs_gpus():
-    from infra.scheduler import base_job_template
+    from flowrl.infra.scheduler import base_job_template
 
     template = base_job_template("kubernetes")
     pod = template["job_configuration"]["job_manifest"]["spec"]["template"]["spec"]
@@ -59,7 +59,7 @@ def test_gpu_count_comes_from_settings(monkeypatch):
 
 def test_resources_gpus_defaults_to_a_cpu_job():
     assert RLJobConfig().resources.gpus == 0
-    assert load_config(None, ["resources.gpus=2"]).resources.gpus == 2
+    assert load_job(None, ["resources.gpus=2"]).resources.gpus == 2
 
 
 def test_a_job_larger_than_the_pool_is_refused_with_the_numbers():
@@ -71,8 +71,8 @@ def test_a_job_larger_than_the_pool_is_refused_with_the_numbers():
 def test_infra_up_is_idempotent_and_a_too_big_job_fails_at_once(prefect_api, monkeypatch):
     from prefect import get_client
 
-    from flows.probe import gpu_probe
-    from infra.scheduler import apply_scheduler
+    from flowrl.flows.probe import gpu_probe
+    from flowrl.infra.scheduler import apply_scheduler
 
     monkeypatch.setenv("FLOWRL_POOL_GPUS", "3")
     spec = load_scheduler()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from infra.config import SelfPlayJobConfig
+from flowrl.tasks.jobs import SelfPlayJobConfig
 
 pytestmark = pytest.mark.e2e
 
@@ -14,7 +14,7 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def played(prefect_api, flowrl_home):
-    from flows.selfplay import self_play
+    from flowrl.flows.selfplay import self_play
 
     config = SelfPlayJobConfig.model_validate(
         {
@@ -57,7 +57,7 @@ def test_no_update_starts_before_the_rollout_phase_ends_and_vice_versa(played):
 
 
 def test_each_agent_has_its_own_policy_metrics_and_registered_version(played):
-    from infra.tracking import client
+    from flowrl.infra.tracking import client
 
     config, result, _ = played
     assert set(result.model_uris) == {"X", "O"}
@@ -78,7 +78,7 @@ def test_each_agent_has_its_own_policy_metrics_and_registered_version(played):
 
 def test_outcomes_are_zero_sum(played):
     """Each game's +1/-1/0 is attributed to the right player: the agents' means cancel."""
-    from infra.tracking import client
+    from flowrl.infra.tracking import client
 
     _, result, _ = played
     x = client().get_metric_history(result.mlflow_run_id, "agent-X/outcome")

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.actors import start_policy, stop_policy
-from backends.types import LoraSettings, WorkerSpec
-from environments.arithmetic import ArithmeticTask
-from infra.config import ConfigError
-from infra.sft_config import SFTJobConfig, load_sft_config
-from tasks.model import prepare_model
-from tasks.sft import evaluate_exact_match, prepare_data, train_steps
-from tasks.types import JobContext
+from flowrl.backends.actors import start_policy, stop_policy
+from flowrl.backends.types import LoraSettings, WorkerSpec
+from flowrl.environments.arithmetic import ArithmeticTask
+from flowrl.infra.configfile import ConfigError
+from flowrl.tasks.jobs import SFTJobConfig, load_job
+from flowrl.tasks.model import prepare_model
+from flowrl.tasks.sft import evaluate_exact_match, prepare_data, train_steps
+from flowrl.tasks.types import JobContext
 
 torch.set_num_threads(1)
 
@@ -87,8 +87,8 @@ def test_sft_lifts_exact_match_to_80_percent_within_3_minutes(chat_files, tmp_pa
 
 def test_loss_is_only_on_assistant_tokens(chat_files, tmp_path):
     """Changing the user's text changes no gradient-carrying token: the mask is 0 there."""
-    from tasks.common import chat_format
-    from tasks.model import sft_datum
+    from flowrl.tasks.common import chat_format
+    from flowrl.tasks.sft import sft_datum
 
     cfg = SFTJobConfig.model_validate({"data": {"train": chat_files[0], "eval": chat_files[1]}})
     ctx = JobContext(cfg.name, str(tmp_path / "store"), str(tmp_path / "cache"), "mask")
@@ -103,10 +103,12 @@ def test_loss_is_only_on_assistant_tokens(chat_files, tmp_path):
 
 def test_sft_config_validates_at_the_edge(tmp_path):
     with pytest.raises(ConfigError, match="data.train"):
-        load_sft_config(None, ["data.train=rows.csv"])
+        load_job(None, ["data.train=rows.csv"], SFTJobConfig)
     with pytest.raises(ConfigError, match="data"):
-        load_sft_config(None, [])
-    cfg = load_sft_config(None, ["data.train=s3://bucket/chat.parquet", "model.lora.enabled=true"])
+        load_job(None, [], SFTJobConfig)
+    cfg = load_job(
+        None, ["data.train=s3://bucket/chat.parquet", "model.lora.enabled=true"], SFTJobConfig
+    )
     assert cfg.model.lora == LoraSettings(enabled=True)
     for name, field in SFTJobConfig.model_fields.items():
         assert field.description, name
@@ -114,8 +116,8 @@ def test_sft_config_validates_at_the_edge(tmp_path):
 
 @pytest.mark.e2e
 def test_sft_flow_trains_logs_and_registers(chat_files, prefect_api, flowrl_home):
-    from flows.sft import sft_train
-    from infra.tracking import client
+    from flowrl.flows.sft import sft_train
+    from flowrl.infra.tracking import client
 
     cfg = SFTJobConfig.model_validate(
         {

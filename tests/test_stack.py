@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.client import JobClient
+from flowrl.infra.client import JobClient
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[1]
@@ -30,7 +30,7 @@ def probe_deployment(local_stack):
     from prefect.flows import Flow
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from infra.scheduler import load_scheduler
+    from flowrl.infra.scheduler import load_scheduler
 
     os.environ["FLOWRL_SCHEDULER_FILE"] = local_stack.env["FLOWRL_SCHEDULER_FILE"]
     try:
@@ -38,7 +38,7 @@ def probe_deployment(local_stack):
     finally:
         os.environ.pop("FLOWRL_SCHEDULER_FILE")
     with temporary_settings(updates={PREFECT_API_URL: local_stack.env["PREFECT_API_URL"]}):
-        Flow.from_source(str(REPO), "flows/probe.py:gpu_probe").deploy(
+        Flow.from_source(str(REPO), "flowrl.flows.probe:gpu_probe").deploy(
             "gpu-probe",
             work_pool_name=pool,
             work_queue_name="hi",
@@ -113,7 +113,7 @@ def test_submission_to_start_latency_on_an_idle_pool(stack_env, probe_deployment
 
 
 def test_a_job_larger_than_the_pool_is_refused_by_the_cli(stack_env, monkeypatch, capsys):
-    from infra.cli import main
+    from flowrl.infra.cli import main
 
     monkeypatch.setenv("PREFECT_LOGGING_LEVEL", "WARNING")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", stack_env.env["FLOWRL_MLFLOW_TRACKING_URI"])
@@ -223,7 +223,7 @@ def test_a_killed_job_gives_its_gpu_slots_back(stack_env, probe_deployment):
 
 
 def test_stack_down_stops_every_process(local_stack, monkeypatch):
-    from infra import stack
+    from flowrl.infra import stack
 
     monkeypatch.setenv("FLOWRL_HOME", local_stack.env["FLOWRL_HOME"])
     assert stack.stack_down() == list(stack.STOP_ORDER)

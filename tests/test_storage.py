@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from infra.storage import (
+from flowrl.infra.storage import (
     CheckpointError,
     Storage,
+    checkpoint_dir,
     commit_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     prune_checkpoints,
-    step_dir,
 )
 
 # Short timeouts so outage tests finish in seconds (production defaults: 5 / 15 / 60 s).
@@ -147,14 +147,14 @@ def test_commit_then_latest_and_load(storage: Storage) -> None:
 def files_without_manifest(storage: Storage) -> None:
     """Crash after the files of step 2, before its manifest (and its pointer)."""
     for name, data in checkpoint_files(2).items():
-        storage.write_bytes(f"{step_dir(PREFIX, 2)}/{name}", data)
+        storage.write_bytes(f"{checkpoint_dir(PREFIX, 2)}/{name}", data)
     storage.delete(f"{PREFIX}/LATEST.json")  # force the scan, not just the pointer
 
 
 def truncated_file_under_pointer(storage: Storage) -> None:
     """Step 2 fully committed, then one of its files is cut short."""
     commit_checkpoint(storage, PREFIX, 2, checkpoint_files(2), {})
-    storage.write_bytes(f"{step_dir(PREFIX, 2)}/model.safetensors", b"\x02" * 10)
+    storage.write_bytes(f"{checkpoint_dir(PREFIX, 2)}/model.safetensors", b"\x02" * 10)
 
 
 def pointer_to_missing_step(storage: Storage) -> None:
@@ -181,7 +181,7 @@ def test_half_written_checkpoint_is_never_latest(
 def test_load_rejects_same_size_corruption(storage: Storage) -> None:
     commit_checkpoint(storage, PREFIX, 1, checkpoint_files(1), {})
     corrupted = b"\xff" + checkpoint_files(1)["model.safetensors"][1:]
-    storage.write_bytes(f"{step_dir(PREFIX, 1)}/model.safetensors", corrupted)
+    storage.write_bytes(f"{checkpoint_dir(PREFIX, 1)}/model.safetensors", corrupted)
     with pytest.raises(CheckpointError, match="model.safetensors does not match its manifest"):
         load_checkpoint(storage, PREFIX, 1)
 
@@ -196,7 +196,7 @@ def test_prune_keeps_newest_and_latest(storage: Storage) -> None:
     for step in range(1, 6):
         commit_checkpoint(storage, PREFIX, step, checkpoint_files(step), {"step": step})
     # An in-progress commit of step 6 (no manifest yet) must not be touched.
-    storage.write_bytes(f"{step_dir(PREFIX, 6)}/model.safetensors", b"partial")
+    storage.write_bytes(f"{checkpoint_dir(PREFIX, 6)}/model.safetensors", b"partial")
 
     assert sorted(prune_checkpoints(storage, PREFIX, keep=2)) == [1, 2, 3]
     assert storage.list(PREFIX) == [

@@ -7,10 +7,10 @@ import pytest
 from fakes import END, ByteChat, ScriptedSampler, say, text_ids
 from pydantic import ValidationError
 
-from agent_loop.loop import LoopLimits, run_episodes
-from agent_loop.types import StopReason
-from environments.registry import make_task
-from environments.tool_math import (
+from flowrl.agent_loop.loop import LoopLimits, run_episodes
+from flowrl.agent_loop.types import StopReason
+from flowrl.environments.registry import make_task
+from flowrl.environments.tool_math import (
     DEFAULT_SYSTEM_PROMPT,
     ToolMathEnv,
     ToolMathTask,

@@ -14,11 +14,11 @@ from PIL import Image
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
-from agent_loop.loop import LoopLimits, run_episodes
-from agent_loop.types import Trajectory
-from backends.actors import sampler, start_policy, stop_policy, sync_weights, trainer
-from backends.hf_workers import HFSampler, TorchTrainer
-from backends.models import (
+from flowrl.agent_loop.loop import LoopLimits, run_episodes
+from flowrl.agent_loop.types import Trajectory
+from flowrl.backends.actors import sampler, start_policy, stop_policy, sync_weights, trainer
+from flowrl.backends.hf_workers import HFSampler, TorchTrainer
+from flowrl.backends.models import (
     IMAGE_TOKEN,
     HFChatFormat,
     TinyModelSpec,
@@ -28,12 +28,12 @@ from backends.models import (
     load_causal_lm,
     load_tokenizer,
 )
-from backends.types import Datum, WorkerSpec
-from backends.vlm import ImageInputs, image_seq_length
-from environments.geometry import GeometryTask
-from infra.storage import Storage
-from tasks.model import sft_datum
-from tasks.records import load_data, load_trajectories, save_data, save_trajectories
+from flowrl.backends.types import Datum, WorkerSpec
+from flowrl.backends.vlm import ImageInputs, image_seq_length
+from flowrl.environments.geometry import GeometryTask
+from flowrl.infra.storage import Storage
+from flowrl.tasks.records import load_data, load_trajectories, save_data, save_trajectories
+from flowrl.tasks.sft import sft_datum
 
 torch.set_num_threads(1)
 

@@ -15,17 +15,24 @@ import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 
-from agent_loop.types import SampleResult
-from backends.actors import PolicyRef, sampler, start_policy, stop_policy, sync_weights, trainer
-from backends.models import (
+from flowrl.agent_loop.types import SampleResult
+from flowrl.backends.actors import (
+    PolicyRef,
+    sampler,
+    start_policy,
+    stop_policy,
+    sync_weights,
+    trainer,
+)
+from flowrl.backends.models import (
     HFChatFormat,
     TinyModelSpec,
     build_tiny_model,
     load_causal_lm,
     load_tokenizer,
 )
-from backends.types import Datum, LoraSettings, WorkerSpec
-from infra.storage import Storage, latest_checkpoint
+from flowrl.backends.types import Datum, LoraSettings, WorkerSpec
+from flowrl.infra.storage import Storage, latest_checkpoint
 
 torch.set_num_threads(1)
 
@@ -233,7 +240,7 @@ def test_ray_actors_sample_update_sync_and_stop(ray_cluster, model_dir, prompts,
 
 def test_sft_datum_matches_the_agent_loops_token_layout(model_dir):
     """SFT trains on exactly the tokens the sampler would emit for each assistant turn."""
-    from tasks.model import sft_datum
+    from flowrl.tasks.sft import sft_datum
 
     tok = load_tokenizer(model_dir)
     chat = HFChatFormat(tok)

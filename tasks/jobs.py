@@ -1,7 +1,10 @@
-"""The RL job config: one frozen pydantic model, validated at the edge.
+"""Every job schema, in one place: a frozen pydantic model per job kind, validated at the edge.
 
-A bad value fails at once with the field's dotted name, before any job starts. The same model
-is the parameter of the ``rl-train`` flow, so the Prefect UI shows it as a form.
+A bad value fails at once with the field's dotted name, before any job starts. Each job kind
+extends ``JobConfig`` (identity, model, resources); its model is the parameter of its flow, so
+the Prefect UI shows it as a form. Sections carry their own resolvers (``rollout.limits()``,
+``resources.plan()``) so no stage builds them by hand. Reading YAML and ``--set`` overrides is
+``flowrl.infra.configfile``.
 """
 
 from __future__ import annotations
@@ -9,18 +12,23 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from backends.algorithms import (
+from flowrl.agent_loop.loop import LoopLimits
+from flowrl.backends.actors import ActorResources, WorkerPlan
+from flowrl.backends.algorithms import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
 )
-from backends.models import TinyModelSpec
-from backends.types import LoraSettings
-from environments.registry import ENVIRONMENTS, make_task
+from flowrl.backends.models import TinyModelSpec
+from flowrl.backends.types import LoraSettings
+from flowrl.environments.data import ROW_FORMATS
+from flowrl.environments.registry import ENVIRONMENTS, make_task
+from flowrl.infra.configfile import Config, load_config
+
+JOB_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 
 
 class _Section(BaseModel):
@@ -35,7 +43,7 @@ class EnvSection(_Section):
     mode: Literal["local", "ray", "http"] = Field(
         default="local",
         description="Where episodes run: in the rollout task, in a pool of Ray actors, or "
-        "behind the HTTP environment service (python -m environments.service).",
+        "behind the HTTP environment service (python -m flowrl.environments.service).",
     )
     service_url: str | None = Field(
         default=None, description="Base URL of the environment service (mode http)."
@@ -159,6 +167,15 @@ class RolloutSection(_Section):
     max_turns: int = Field(default=1, ge=1, description="Policy turns per episode.")
     max_context_tokens: int = Field(default=256, ge=8, description="Token budget of an episode.")
 
+    def limits(self, greedy: bool = False) -> LoopLimits:
+        """The agent loop's budgets; ``greedy`` samples at temperature 0 (evaluation)."""
+        return LoopLimits(
+            max_turns=self.max_turns,
+            max_new_tokens=self.max_new_tokens,
+            max_context_tokens=self.max_context_tokens,
+            temperature=0.0 if greedy else self.temperature,
+        )
+
 
 class ScheduleSection(_Section):
     steps: int = Field(default=150, ge=1, description="RL steps.")
@@ -194,24 +211,75 @@ class ResourcesSection(_Section):
         "0 = CPU job.",
     )
 
+    def plan(self) -> WorkerPlan:
+        """How every policy worker of the job starts, warm-up included: the job's GPU slots
+        split between a policy's sampler and trainer unless set per worker, and its backends."""
+        return WorkerPlan(
+            resources=ActorResources(num_cpus=1, num_gpus=self.gpus_per_worker or self.gpus / 2),
+            sampler_backend=self.sampler_backend,
+            trainer_backend=self.trainer_backend,
+            torch_threads=self.torch_threads,
+        )
 
-class RLJobConfig(_Section):
-    """An RL training job: environment + model + algorithm + resources → a registered policy."""
+
+class SFTDataSection(_Section):
+    train: str = Field(
+        description="Chat rows {'messages': [...]}: a .jsonl/.json/.parquet path or fsspec URL "
+        "(s3://…)."
+    )
+    eval: str | None = Field(
+        default=None, description="Held-out chat rows (same format); unset = split off `train`."
+    )
+    eval_size: int = Field(
+        default=200,
+        ge=1,
+        description="Rows held out of `train` for evaluation when `eval` is unset.",
+    )
+
+    @field_validator("train", "eval")
+    @classmethod
+    def _known_format(cls, v: str | None) -> str | None:
+        if v is not None and not v.split("?", 1)[0].lower().endswith(ROW_FORMATS):
+            raise ValueError(f"{v!r}: expected one of {', '.join(ROW_FORMATS)}")
+        return v
+
+
+class SFTTrainSection(_Section):
+    steps: int = Field(default=300, ge=1, description="Optimiser steps.")
+    batch_size: int = Field(default=32, ge=1, description="Conversations per step.")
+    learning_rate: float = Field(default=3e-3, gt=0, le=1, description="AdamW learning rate.")
+    max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
+    eval_every: int = Field(default=100, ge=1, description="Steps between held-out evaluations.")
+    max_new_tokens: int = Field(
+        default=16, ge=1, description="Token budget of a generated answer at evaluation."
+    )
+
+
+# ------------------------------------------------------------------------------- job kinds
+
+
+class JobConfig(_Section):
+    """What every job has: who it is (name, seed, MLflow experiment), which model, which workers."""
 
     name: str = Field(
-        default="arithmetic-demo",
-        pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
-        description="Job name: storage prefix, MLflow run name; resubmitting it resumes.",
+        default="job",
+        pattern=JOB_NAME_PATTERN,
+        description="Job name: storage prefix (jobs/<name>/) and MLflow run name; resubmitting "
+        "a training job of the same name resumes it.",
     )
     seed: int = Field(default=0, description="Seed of sampling, data order and initialisation.")
-    env: EnvSection = Field(default_factory=EnvSection, description="Environment.")
-    model: ModelSection = Field(default_factory=ModelSection, description="Policy model.")
-    warmup: WarmupSection = Field(default_factory=WarmupSection, description="SFT warm-up.")
-    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection, description="RL math.")
-    rollout: RolloutSection = Field(default_factory=RolloutSection, description="Sampling.")
-    schedule: ScheduleSection = Field(default_factory=ScheduleSection, description="Loop.")
-    resources: ResourcesSection = Field(default_factory=ResourcesSection, description="Workers.")
     experiment: str = Field(default="flowrl", min_length=1, description="MLflow experiment.")
+    model: ModelSection = Field(default_factory=ModelSection, description="Policy model.")
+    resources: ResourcesSection = Field(default_factory=ResourcesSection, description="Workers.")
+
+    def worker_settings(self) -> dict[str, Any]:
+        """``WorkerSpec`` fields this job kind sets for its policy workers."""
+        return {"lora": self.model.lora}
+
+
+class TrainingJobConfig(JobConfig):
+    """A job whose result is a new registered model version."""
+
     register_as: str | None = Field(
         default=None, description="Registered model name in MLflow; unset = the job name."
     )
@@ -219,6 +287,28 @@ class RLJobConfig(_Section):
     @property
     def registered_model_name(self) -> str:
         return self.register_as or self.name
+
+
+class RLJobConfig(TrainingJobConfig):
+    """An RL training job: environment + model + algorithm + resources → a registered policy."""
+
+    name: str = Field(
+        default="arithmetic-demo",
+        pattern=JOB_NAME_PATTERN,
+        description="Job name: storage prefix, MLflow run name; resubmitting it resumes.",
+    )
+    env: EnvSection = Field(default_factory=EnvSection, description="Environment.")
+    warmup: WarmupSection = Field(default_factory=WarmupSection, description="SFT warm-up.")
+    algorithm: AlgorithmSection = Field(default_factory=AlgorithmSection, description="RL math.")
+    rollout: RolloutSection = Field(default_factory=RolloutSection, description="Sampling.")
+    schedule: ScheduleSection = Field(default_factory=ScheduleSection, description="Loop.")
+
+    def worker_settings(self) -> dict[str, Any]:
+        a = self.algorithm
+        return super().worker_settings() | {
+            "learning_rate": a.learning_rate,
+            "max_grad_norm": a.max_grad_norm,
+        }
 
     @model_validator(mode="after")
     def _images_need_a_vision_model(self) -> RLJobConfig:
@@ -229,74 +319,6 @@ class RLJobConfig(_Section):
                 "LLaVA) or a vision-language model.source"
             )
         return self
-
-
-class ConfigError(ValueError):
-    """A job config that cannot run; the message names every bad field."""
-
-
-def _format_errors(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        where = ".".join(str(p) for p in e["loc"]) or "(config)"
-        lines.append(f"  {where}: {e['msg']}")
-    return "invalid job config:\n" + "\n".join(lines)
-
-
-def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
-    keys = dotted.split(".")
-    node = data
-    for key in keys[:-1]:
-        child = node.setdefault(key, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"--set {dotted}: {key!r} is not a section")
-        node = child
-    node[keys[-1]] = value
-
-
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """``["a.b=3", "c=x"]`` → nested dict; values are parsed as YAML scalars/lists."""
-    data: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"--set {pair!r}: expected key=value")
-        _set_dotted(data, key.strip(), yaml.safe_load(raw))
-    return data
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def load_config(
-    path: str | Path | None,
-    overrides: list[str] | None = None,
-    kind: type[BaseModel] | None = None,
-) -> Any:
-    """Read a YAML job config (or the embedded defaults when ``path`` is None), apply overrides,
-    validate as ``kind`` (default ``RLJobConfig``; e.g. ``SelfPlayJobConfig``)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
-        loaded = yaml.safe_load(p.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"{p}: expected a mapping at the top level")
-        data = loaded
-    data = _merge(data, parse_overrides(overrides or []))
-    return validate_config(data, kind)
-
-
-def validate_config(data: dict[str, Any], kind: type[BaseModel] | None = None) -> Any:
-    try:
-        return (kind or RLJobConfig).model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(_format_errors(err)) from None
 
 
 def _tic_tac_toe() -> EnvSection:
@@ -312,7 +334,7 @@ class SelfPlayJobConfig(RLJobConfig):
 
     name: str = Field(
         default="gomoku-selfplay",
-        pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
+        pattern=JOB_NAME_PATTERN,
         description="Job name: storage prefix, MLflow run name.",
     )
     env: EnvSection = Field(default_factory=_tic_tac_toe, description="A gomoku environment.")
@@ -334,3 +356,102 @@ class SelfPlayJobConfig(RLJobConfig):
         if self.schedule.off_policy_steps:
             raise ValueError("self-play runs on-policy (schedule.off_policy_steps 0)")
         return self
+
+
+class SFTJobConfig(TrainingJobConfig):
+    """A supervised fine-tuning job: chat data + model → a registered policy.
+
+    Chat rows (JSONL/JSON/parquet ``{"messages": [...]}``, local or any fsspec URL) train the
+    model on its assistant tokens only; held-out conversations are scored by greedy exact match.
+    """
+
+    name: str = Field(
+        default="sft",
+        pattern=JOB_NAME_PATTERN,
+        description="Job name: storage prefix and MLflow run name.",
+    )
+    experiment: str = Field(default="flowrl-sft", min_length=1, description="MLflow experiment.")
+    data: SFTDataSection = Field(description="Chat datasets.")
+    train: SFTTrainSection = Field(default_factory=SFTTrainSection, description="Optimisation.")
+
+    def worker_settings(self) -> dict[str, Any]:
+        t = self.train
+        return super().worker_settings() | {
+            "learning_rate": t.learning_rate,
+            "max_grad_norm": t.max_grad_norm,
+        }
+
+
+def _registered_champion() -> ModelSection:
+    return ModelSection(source="models:/arithmetic-demo@champion")
+
+
+class InferenceJobConfig(JobConfig):
+    """A batch-inference job: a registered model + an environment → scored episodes (JSONL)."""
+
+    name: str = Field(
+        default="inference-demo",
+        pattern=JOB_NAME_PATTERN,
+        description="Job name: storage prefix (jobs/<name>/inference/) and MLflow run name.",
+    )
+    experiment: str = Field(default="flowrl-inference", min_length=1, description="MLflow exp.")
+    model: ModelSection = Field(
+        default_factory=_registered_champion,
+        description="The model: `source` is a models:/name@alias, models:/name/version, s3://… "
+        "or folder URI (a bare string is taken as the source).",
+    )
+    env: EnvSection = Field(default_factory=EnvSection, description="Environment.")
+    data: Literal["eval", "stream"] = Field(
+        default="eval", description="Prompts: the held-out set, or the environment's data stream."
+    )
+    num_prompts: int = Field(default=64, ge=1, description="Prompts to run (at most the set).")
+    samples_per_prompt: int = Field(default=1, ge=1, description="Episodes per prompt.")
+    rollout: RolloutSection = Field(
+        default_factory=lambda: RolloutSection(temperature=1.0),
+        description="Sampling limits (temperature, tokens, turns) as in training.",
+    )
+    greedy: bool = Field(default=True, description="Greedy decoding (ignores temperature).")
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _uri_as_source(cls, v: Any) -> Any:
+        return {"source": v} if isinstance(v, str) else v
+
+
+class RetrainConfig(_Section):
+    """A retraining round: the training job template and the promotion gate."""
+
+    job: RLJobConfig = Field(
+        default_factory=lambda: RLJobConfig(name="arithmetic-retrain"),
+        description="Training job template; name, seed and model.source are set per round.",
+    )
+    alias: str = Field(default="champion", description="Registry alias of the serving model.")
+    min_improvement: float = Field(
+        default=0.0, description="Promote only if challenger accuracy > champion + this."
+    )
+
+
+class ProbeJobConfig(JobConfig):
+    """A scheduler probe: holds ``resources.gpus`` slots for ``seconds``, loads no model."""
+
+    name: str = Field(default="gpu-probe", pattern=JOB_NAME_PATTERN, description="Job name.")
+    experiment: str = Field(default="flowrl-probe", min_length=1, description="MLflow exp.")
+    seconds: float = Field(default=1.0, ge=0, le=86_400, description="How long to hold the slots.")
+
+
+JOB_KINDS: dict[str, type[JobConfig]] = {
+    "rl-train": RLJobConfig,
+    "self-play": SelfPlayJobConfig,
+    "sft-train": SFTJobConfig,
+    "batch-inference": InferenceJobConfig,
+    "gpu-probe": ProbeJobConfig,
+}
+"""Each job kind's schema, by the name of its flow."""
+
+
+def load_job(
+    path: str | Path | None, overrides: list[str] | None = None, kind: type[Config] = RLJobConfig
+) -> Config:
+    """A job config from YAML (None = embedded defaults) and ``--set`` overrides, validated as
+    ``kind``; ``ConfigError`` naming every bad field otherwise."""
+    return load_config(path, overrides, kind)

@@ -78,12 +78,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command in ("infra", "stack", "jobs"):
         return _ops(args)
-    from infra.config import ConfigError, SelfPlayJobConfig, load_config
-    from infra.sft_config import SFTJobConfig
+    from flowrl.infra.configfile import ConfigError
+    from flowrl.tasks.jobs import RLJobConfig, SelfPlayJobConfig, SFTJobConfig, load_job
 
     kinds = {"selfplay": SelfPlayJobConfig, "sft": SFTJobConfig}
     try:
-        config = load_config(args.config, args.overrides, kinds.get(args.command))
+        config = load_job(args.config, args.overrides, kinds.get(args.command, RLJobConfig))
     except ConfigError as err:
         print(f"flowrl: {err}", file=sys.stderr)
         return 2
@@ -94,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     _prepare(verbose=args.verbose)
     if args.command == "selfplay":
-        from flows.selfplay import self_play
+        from flowrl.flows.selfplay import self_play
 
         print(f"\n{self_play(config)}")
         return 0
     if args.command == "sft":
-        from flows.sft import sft_train
+        from flowrl.flows.sft import sft_train
 
         print(f"\n{sft_train(config)}")
         return 0
@@ -110,14 +110,14 @@ def _prepare(verbose: bool) -> None:
     if not verbose:
         # Keep the terminal for the progress bar; the logs still reach the Prefect API.
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-    from infra.settings import get_settings
+    from flowrl.infra.settings import get_settings
 
     get_settings().apply_to_environment()
 
 
 def _train(config) -> int:
-    from flows.rl import rl_train
-    from infra.settings import get_settings
+    from flowrl.flows.rl import rl_train
+    from flowrl.infra.settings import get_settings
 
     result = rl_train(config)
     print()
@@ -130,16 +130,16 @@ def _train(config) -> int:
 
 
 def _ops(args) -> int:
-    from infra.scheduler import AdmissionError
+    from flowrl.infra.scheduler import AdmissionError
 
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     try:
         if args.command == "stack":
             return _stack(args)
-        from infra.stack import apply_stack_env
+        from flowrl.infra.stack import apply_stack_env
 
         apply_stack_env()  # a running local stack is the default target
-        from infra.settings import get_settings
+        from flowrl.infra.settings import get_settings
 
         get_settings().apply_to_environment()
         if args.command == "infra":
@@ -153,13 +153,13 @@ def _ops(args) -> int:
 def _infra_up(no_deployments: bool) -> int:
     import asyncio
 
-    from infra.scheduler import apply_scheduler, load_scheduler
+    from flowrl.infra.scheduler import apply_scheduler, load_scheduler
 
     spec = load_scheduler()
     for line in asyncio.run(apply_scheduler(spec)):
         print(line)
     if not no_deployments:
-        from infra.deployments import apply_deployments
+        from flowrl.infra.deployments import apply_deployments
 
         for line in apply_deployments(spec):
             print(line)
@@ -169,7 +169,7 @@ def _infra_up(no_deployments: bool) -> int:
 def _stack(args) -> int:
     import json
 
-    from infra import stack
+    from flowrl.infra import stack
 
     if args.action == "up":
         state = stack.stack_up(gpus=args.gpus, deploy=not args.no_deployments, ray=not args.no_ray)
@@ -192,18 +192,18 @@ def _stack(args) -> int:
 def _submit_parameters(args) -> dict:
     import yaml
 
-    from infra.config import _merge, parse_overrides
+    from flowrl.infra.configfile import merge, parse_overrides
 
     params = {k: v for k, v in (p.partition("=")[::2] for p in args.param)}
     params = {k: yaml.safe_load(v) for k, v in params.items()}
     if args.config or args.overrides:
         config = yaml.safe_load(open(args.config).read()) if args.config else {}
-        params["config"] = _merge(config or {}, parse_overrides(args.overrides))
+        params["config"] = merge(config or {}, parse_overrides(args.overrides))
     return params
 
 
 def _jobs(args) -> int:
-    from infra.client import JobClient
+    from flowrl.infra.client import JobClient
 
     jobs = JobClient()
     if args.action == "submit":

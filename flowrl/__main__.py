@@ -1,0 +1,5 @@
+"""``python -m flowrl``: the command line."""
+
+from flowrl.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,170 @@
+"""The run lifecycle every flow uses: admission and GPU slots, the job's storage context, its
+MLflow run, its policy workers, progress, finish and fail. And the Ray task runner."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.runtime import flow_run
+from prefect_ray import RayTaskRunner
+from tqdm import tqdm
+
+from flowrl.backends.actors import PolicyRef, stop_policy
+from flowrl.backends.types import WorkerSpec
+from flowrl.infra import tracking
+from flowrl.infra.scheduler import gpu_slots
+from flowrl.infra.settings import get_settings
+from flowrl.infra.storage import Storage
+from flowrl.tasks.jobs import JobConfig
+from flowrl.tasks.types import JobContext
+
+
+def task_runner() -> RayTaskRunner:
+    """prefect-ray's runner: a local Ray by default, or the cluster at ``FLOWRL_RAY_ADDRESS``."""
+    s = get_settings()
+    init: dict[str, Any] = {"namespace": "flowrl", "log_to_driver": False}
+    if s.ray_address is None:
+        init |= {"num_cpus": s.ray_num_cpus, "include_dashboard": False}
+        if s.ray_num_gpus is not None:
+            init["num_gpus"] = s.ray_num_gpus
+    init["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+    return RayTaskRunner(address=s.ray_address, init_kwargs=init)
+
+
+class JobRun:
+    """One run of a job of any kind, from admission to finish or failure.
+
+    Entering it, in this order: settings reach the environment; the job's ``resources.gpus``
+    slots of the scheduler's ``gpu`` limit are held (a job that could never start is refused
+    here); its storage context; its MLflow run, with ``job.json`` beside the job's files
+    (``resume=True``: the run of an earlier submission of the same job name is continued).
+    Leaving it: every worker it started is stopped, an exception marks the MLflow run FAILED,
+    and only then are the GPU slots given back, so no actor outlives its slots.
+    """
+
+    def __init__(self, config: JobConfig, resume: bool = False):
+        self.config = config
+        self.resume = resume
+        settings = get_settings()
+        self.ctx = JobContext(
+            name=config.name,
+            storage_url=settings.storage_root,
+            cache_dir=settings.model_cache_dir,
+            run_name=f"{config.name}-{(flow_run.get_id() or 'local')[:8]}",
+        )
+        self.storage = Storage(self.ctx.storage_url)
+        self.run_id = ""
+        self.done_steps = 0
+        self._policies: list[PolicyRef] = []
+        self._exits = contextlib.ExitStack()
+        self._progress: tuple[Any, int] | None = None
+        self._bar: tqdm | None = None
+
+    def __enter__(self) -> JobRun:
+        get_settings().apply_to_environment()
+        with contextlib.ExitStack() as entering:
+            entering.enter_context(gpu_slots(self.config.resources.gpus))
+            entering.callback(self._stop_workers)  # runs first on exit: workers, then slots
+            self.run_id = self._start_tracking()
+            self._exits = entering.pop_all()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is not None:
+                tracking.end_run(self.run_id, status="FAILED")
+        finally:
+            self._exits.__exit__(exc_type, exc, tb)
+
+    def _start_tracking(self) -> str:
+        job_file = f"{self.ctx.prefix}/job.json"
+        previous = None
+        if self.resume and self.storage.exists(job_file):
+            previous = self.storage.read_json(job_file).get("mlflow_run_id")
+        params = self.config.model_dump()
+        run_id = tracking.start_run(self.config.experiment, self.config.name, params, previous)
+        self.storage.write_json(job_file, {"mlflow_run_id": run_id, "config": params})
+        return run_id
+
+    def _stop_workers(self) -> None:
+        for policy in self._policies:
+            stop_policy(policy)
+        if self._bar is not None:
+            self._bar.close()
+
+    # ------------------------------------------------------------------------- workers
+
+    def start_policy(self, model_uri: str, name: str | None = None) -> PolicyRef:
+        """Start a policy's workers with the job's resources, backends and optimiser settings
+        (named ``name``, default the run name); they are stopped when the run ends."""
+        spec = WorkerSpec(
+            model_uri=model_uri,
+            cache_dir=self.ctx.cache_dir,
+            seed=self.config.seed,
+            **self.config.worker_settings(),
+        )
+        policy = self.config.resources.plan().start(name or self.ctx.run_name, spec)
+        self._policies.append(policy)
+        return policy
+
+    # ------------------------------------------------------------------------ progress
+
+    def steps(self, start: int, total: int, stride: int = 1) -> Iterator[int]:
+        """The first step of each chunk of ``stride`` steps from ``start`` to ``total``, with a
+        progress bar and a Prefect progress artifact (``advance`` moves both)."""
+        artifact = create_progress_artifact(
+            progress=100.0 * start / total, description=f"steps of {self.config.name}"
+        )
+        self._progress = (artifact, total)
+        self._bar = tqdm(total=total, initial=start, desc=self.config.name, unit="step")
+        self.done_steps = start
+        yield from range(start, total, stride)
+
+    def advance(self, done_steps: int, **postfix: float) -> None:
+        """``done_steps`` steps are done: progress bar, and the progress artifact every 10
+        steps and at the end (each update is an API round trip)."""
+        moved, self.done_steps = done_steps - self.done_steps, done_steps
+        if self._bar is not None:
+            self._bar.update(moved)
+            self._bar.set_postfix({k: f"{v:.2f}" for k, v in postfix.items()})
+        if self._progress is not None:
+            artifact, total = self._progress
+            if done_steps % 10 == 0 or done_steps >= total or moved >= 10:
+                update_progress_artifact(artifact, progress=100.0 * done_steps / total)
+
+    # ------------------------------------------------------------------------- records
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        tracking.log_metrics(self.run_id, metrics, step)
+
+    def finish(self, result: Any, curves: tuple[str, ...] = ()) -> None:
+        """The job succeeded: plot ``curves`` (metric names) into ``curves.png``, write the
+        result (a dataclass) as ``result.json`` beside ``job.json``, end the MLflow run."""
+        if curves:
+            tracking.log_reward_curve(self.run_id, list(curves), "curves.png")
+        self.storage.write_json(f"{self.ctx.prefix}/result.json", dataclasses.asdict(result))
+        tracking.end_run(self.run_id)
+
+
+def due(step: int, total: int, every: int, at_end: bool = False) -> bool:
+    """Whether a periodic stage runs after ``step``; ``at_end`` adds the last step."""
+    last = step + 1 == total
+    return (at_end and last) or ((step + 1) % every == 0 and not last)
+
+
+@dataclasses.dataclass
+class StepClock:
+    """Wall time between consecutive steps, to report what orchestration costs beyond the
+    stages' own work (``time/overhead_s``)."""
+
+    last: float = dataclasses.field(default_factory=time.perf_counter)
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        wall, self.last = now - self.last, now
+        return wall

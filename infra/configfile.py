@@ -1,0 +1,82 @@
+"""Reading job configs: YAML files, ``--set key=value`` overrides, validation errors that name
+every bad field. Schema-free: the job schemas themselves live in ``flowrl.tasks.jobs``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+Config = TypeVar("Config", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A job config that cannot run; the message names every bad field."""
+
+
+def format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        where = ".".join(str(p) for p in e["loc"]) or "(config)"
+        lines.append(f"  {where}: {e['msg']}")
+    return "invalid job config:\n" + "\n".join(lines)
+
+
+def _set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = data
+    for key in keys[:-1]:
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {dotted}: {key!r} is not a section")
+        node = child
+    node[keys[-1]] = value
+
+
+def parse_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``["a.b=3", "c=x"]`` → nested dict; values are parsed as YAML scalars/lists."""
+    data: dict[str, Any] = {}
+    for pair in pairs:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {pair!r}: expected key=value")
+        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+    return data
+
+
+def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    """``extra`` over ``base``, section by section (a nested dict merges, anything else wins)."""
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def read_mapping(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:
+    """A YAML file's top-level mapping (``{}`` for no file) with ``--set`` overrides applied."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        loaded = yaml.safe_load(p.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{p}: expected a mapping at the top level")
+        data = loaded
+    return merge(data, parse_overrides(overrides or []))
+
+
+def validate_config(data: dict[str, Any], kind: type[Config]) -> Config:
+    """``data`` as a ``kind``; a ``ConfigError`` naming every bad field otherwise."""
+    try:
+        return kind.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_errors(err)) from None
+
+
+def load_config(path: str | Path | None, overrides: list[str] | None, kind: type[Config]) -> Config:
+    """Read a YAML job config (or the embedded defaults when ``path`` is None), apply
+    overrides, validate as ``kind`` (a job schema of ``flowrl.tasks.jobs``)."""
+    return validate_config(read_mapping(path, overrides), kind)

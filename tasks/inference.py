@@ -1,0 +1,63 @@
+"""The batch-inference stage: a registered model plays the environment's episodes, written as
+JSONL under the job's storage prefix."""
+
+from __future__ import annotations
+
+import json
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from flowrl.agent_loop.types import Trajectory
+from flowrl.backends.actors import PolicyRef
+from flowrl.infra.storage import Storage
+from flowrl.tasks.common import chat_format, episode_accuracy, episode_metrics, run_group_episodes
+from flowrl.tasks.jobs import InferenceJobConfig
+from flowrl.tasks.types import InferenceOutput, JobContext
+
+
+def _episode_line(t: Trajectory) -> str:
+    return json.dumps(
+        {
+            "episode_id": t.episode_id,
+            "group_id": t.group_id,
+            "messages": t.messages,
+            "reward": t.reward,
+            "correct": bool(t.info.get("correct", t.reward > 0)),
+            "failed": t.failed,
+            "sampled_tokens": t.num_sampled_tokens,
+            "stop_reason": t.stop_reason.value if t.stop_reason else None,
+        }
+    )
+
+
+@task(name="infer", cache_policy=NO_CACHE)
+def infer(
+    config: InferenceJobConfig, ctx: JobContext, model_uri: str, policy: PolicyRef
+) -> InferenceOutput:
+    """Run the episodes, write them as JSONL (one episode per line: messages, reward, correct,
+    tokens, stop reason); returns where the file is and the metrics."""
+    task_cfg = config.env.task()
+    if config.data == "eval":
+        rows = task_cfg.eval_set()[: config.num_prompts]
+    else:
+        rows = task_cfg.train_source().next_batch(config.num_prompts)
+    chat = chat_format(model_uri, ctx.cache_dir)
+    limits = config.rollout.limits(greedy=config.greedy)
+    trajectories = run_group_episodes(
+        task_cfg, rows, config.samples_per_prompt, policy, chat, limits, config.seed, "inf"
+    )
+    rel = f"{ctx.prefix}/inference/trajectories.jsonl"
+    storage = Storage(ctx.storage_url)
+    storage.write_bytes(rel, "".join(_episode_line(t) + "\n" for t in trajectories).encode())
+    ok = [t for t in trajectories if not t.failed]
+    accuracy = episode_accuracy(ok) * len(ok) / max(len(trajectories), 1)
+    reward_mean = sum(t.reward for t in ok) / max(len(ok), 1)
+    metrics = {
+        "inference/accuracy": accuracy,
+        "inference/reward_mean": reward_mean,
+        "inference/episodes": float(len(trajectories)),
+        "inference/failed": float(len(trajectories) - len(ok)),
+        **episode_metrics(trajectories, "inference/env"),
+    }
+    return InferenceOutput(storage.uri(rel), accuracy, reward_mean, len(trajectories), metrics)
