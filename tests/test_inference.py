@@ -14,11 +14,11 @@ pytestmark = pytest.mark.e2e
 
 def test_batch_inference_writes_scored_episodes_and_metrics(prefect_api, flowrl_home):
     from flowrl.flows.inference import batch_inference
-    from flowrl.tasks.jobs import InferenceJobConfig
     from flowrl.flows.rl import rl_train
     from flowrl.infra.settings import get_settings
     from flowrl.infra.storage import Storage
     from flowrl.infra.tracking import client
+    from flowrl.tasks.jobs import InferenceJobConfig
 
     source = load_job(
         None,
