@@ -4,7 +4,8 @@ One work pool for GPU jobs, one work queue per workload class (priority, concurr
 pool-level limit, and a strict global concurrency limit (``gpu``) whose slots are the pool's
 GPUs. Admission is Prefect's: queue/pool limits decide when a flow run starts, and a job holds
 ``resources.gpus`` slots of the ``gpu`` limit for its whole run (``gpu_slots``, which every
-flow's ``JobRun`` enters). ``apply_scheduler`` creates or updates all of it and can run any number of times.
+flow's ``JobRun`` enters). ``apply_scheduler`` creates or updates all of it, any number
+of times.
 """
 
 from __future__ import annotations
