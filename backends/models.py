@@ -1,5 +1,5 @@
 """Models offline: a locally trained character tokenizer, tiny random Llama models (and tiny
-LLaVA vision-language models, ``backends.vlm``), model URIs.
+LLaVA vision-language models, ``flowrl.backends.vlm``), model URIs.
 
 Nothing here touches a model hub. A model is a plain Hugging Face folder (``config.json``,
 ``model.safetensors``, ``tokenizer.json`` ...) that lives on local disk, on any fsspec URL
@@ -121,7 +121,7 @@ class TinyModelSpec(BaseModel):
     seed: int = Field(0, ge=0, description="Seed of the random weights: same spec, same weights.")
     vision: TinyVisionSpec = Field(
         default_factory=TinyVisionSpec,
-        description="Vision tower; enabled = a tiny LLaVA (``backends.vlm``).",
+        description="Vision tower; enabled = a tiny LLaVA (``flowrl.backends.vlm``).",
     )
 
     @model_validator(mode="after")
@@ -167,7 +167,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 def build_tiny_model(spec: TinyModelSpec, out_dir: str) -> str:
     """Build a random-weight ``LlamaForCausalLM`` plus ``build_tokenizer()`` and save both
-    (with ``spec.vision.enabled``: a tiny LLaVA and its processor, ``backends.vlm``).
+    (with ``spec.vision.enabled``: a tiny LLaVA and its processor, ``flowrl.backends.vlm``).
 
     Deterministic: the weights depend only on ``spec`` (the global torch RNG is left untouched).
     Writes a standard HF folder (safetensors) to ``out_dir`` and returns ``out_dir``.

@@ -305,7 +305,7 @@ class GeometryTask(BaseModel):
 
     def sft_example(self, row: dict[str, Any]) -> list[dict[str, Any]]:
         """Chat messages that teach ``row``'s answer; image parts carry their bytes
-        (``tasks.model.sft_datum`` turns them into image tokens and ``Datum.images``)."""
+        (``flowrl.tasks.sft.sft_datum`` turns them into image tokens and ``Datum.images``)."""
         choices = [str(c) for c in row.get("choices") or []]
         images = [{"type": "image", "image": image_bytes(cell)} for cell in row["images"]]
         text = {"type": "text", "text": question_text(row["problem"], choices)}

@@ -10,6 +10,7 @@ from flowrl.environments.arithmetic import ArithmeticTask
 from flowrl.environments.geometry import GeometryTask
 from flowrl.environments.gomoku import GomokuTask
 from flowrl.environments.tool_math import ToolMathTask
+from flowrl.environments.types import TaskConfig
 
 ENVIRONMENTS: dict[str, type[BaseModel]] = {
     "arithmetic": ArithmeticTask,
@@ -17,10 +18,10 @@ ENVIRONMENTS: dict[str, type[BaseModel]] = {
     "gomoku": GomokuTask,
     "geometry": GeometryTask,
 }
-"""Name → task-config class; a task config offers ``make_env``, ``train_source``, ``eval_set``."""
+"""Name → task-config class (``environments.types.TaskConfig``)."""
 
 
-def make_task(name: str, params: dict[str, Any] | None = None) -> BaseModel:
+def make_task(name: str, params: dict[str, Any] | None = None) -> TaskConfig:
     """Validate ``params`` into the task config registered as ``name``.
 
     Raises ``ValueError`` listing the known names for an unknown ``name``, and pydantic's

@@ -1,5 +1,5 @@
 """Where an episode's environment runs: in-process, in a pool of Ray actors, or behind the HTTP
-service (``environments.service``) — chosen by ``env.mode`` in the job config.
+service (``flowrl.environments.service``) — chosen by ``env.mode`` in the job config.
 
 All three build the environment the same way (registry name + parameters + data row), so with a
 fixed seed an episode gives the same trajectory in every mode. A remote failure (service down,

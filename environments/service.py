@@ -1,6 +1,6 @@
 """Environments as a service: an HTTP API (FastAPI) hosting episodes keyed by job and episode id.
 
-    python -m environments.service --host 127.0.0.1 --port 8765
+    python -m flowrl.environments.service --host 127.0.0.1 --port 8765
 
 Endpoints (JSON):
 - ``POST /reset``  {job, episode_id, env: {name, params}, row} → {observation, system_prompt,

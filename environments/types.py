@@ -101,3 +101,26 @@ class DataSource(Protocol):
     def state(self) -> dict[str, Any]: ...
 
     def load_state(self, state: dict[str, Any]) -> None: ...
+
+
+@runtime_checkable
+class TaskConfig(Protocol):
+    """What a registered environment name resolves to (``environments.registry``): a small
+    pydantic model of the environment's parameters (``env.params``) that builds its episodes
+    and data. The stages (rollout, eval, warm-up) use only these four methods."""
+
+    def make_env(self) -> Environment:
+        """A fresh environment for one episode."""
+        ...
+
+    def train_source(self, start: int = 0) -> DataSource:
+        """The endless, resumable stream of training rows."""
+        ...
+
+    def eval_set(self) -> list[dict[str, Any]]:
+        """The fixed held-out rows (disjoint from training)."""
+        ...
+
+    def sft_example(self, row: dict[str, Any]) -> list[dict[str, Any]]:
+        """A demonstration conversation for ``row`` (warm-up SFT)."""
+        ...

@@ -142,11 +142,13 @@ class JobRun:
     def log(self, metrics: dict[str, float], step: int) -> None:
         tracking.log_metrics(self.run_id, metrics, step)
 
-    def finish(self, result: Any, curves: tuple[str, ...] = ()) -> None:
-        """The job succeeded: plot ``curves`` (metric names) into ``curves.png``, write the
-        result (a dataclass) as ``result.json`` beside ``job.json``, end the MLflow run."""
+    def finish(
+        self, result: Any, curves: tuple[str, ...] = (), plot: str = "reward_curve.png"
+    ) -> None:
+        """The job succeeded: plot ``curves`` (metric names) into the run's ``plot`` artifact,
+        write the result (a dataclass) as ``result.json`` beside ``job.json``, end the run."""
         if curves:
-            tracking.log_reward_curve(self.run_id, list(curves), "curves.png")
+            tracking.log_reward_curve(self.run_id, list(curves), plot)
         self.storage.write_json(f"{self.ctx.prefix}/result.json", dataclasses.asdict(result))
         tracking.end_run(self.run_id)
 

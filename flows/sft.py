@@ -53,7 +53,7 @@ def sft_train(config: SFTJobConfig) -> SFTResult:
         result = SFTResult(
             config.name, registered, first.exact_match, last.exact_match, job.run_id, total
         )
-        job.finish(result, curves=("train/loss", "eval/exact_match"))
+        job.finish(result, curves=("train/loss", "eval/exact_match"), plot="sft_curve.png")
     logger.info(
         "exact match %.3f -> %.3f; registered %s",
         result.exact_match_start,

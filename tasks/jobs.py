@@ -26,6 +26,7 @@ from flowrl.backends.models import TinyModelSpec
 from flowrl.backends.types import LoraSettings
 from flowrl.environments.data import ROW_FORMATS
 from flowrl.environments.registry import ENVIRONMENTS, make_task
+from flowrl.environments.types import TaskConfig
 from flowrl.infra.configfile import Config, load_config
 
 JOB_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
@@ -36,7 +37,9 @@ class _Section(BaseModel):
 
 
 class EnvSection(_Section):
-    name: str = Field(default="arithmetic", description="Environment name (environments.registry).")
+    name: str = Field(
+        default="arithmetic", description="Environment name (flowrl.environments.registry)."
+    )
     params: dict[str, Any] = Field(
         default_factory=dict, description="Parameters of the environment's task config."
     )
@@ -59,7 +62,8 @@ class EnvSection(_Section):
             raise ValueError("env.mode 'http' needs env.service_url")
         return self
 
-    def task(self) -> Any:
+    def task(self) -> TaskConfig:
+        """The environment's task config, built from ``params``."""
         return make_task(self.name, self.params)
 
 
@@ -431,20 +435,11 @@ class RetrainConfig(_Section):
     )
 
 
-class ProbeJobConfig(JobConfig):
-    """A scheduler probe: holds ``resources.gpus`` slots for ``seconds``, loads no model."""
-
-    name: str = Field(default="gpu-probe", pattern=JOB_NAME_PATTERN, description="Job name.")
-    experiment: str = Field(default="flowrl-probe", min_length=1, description="MLflow exp.")
-    seconds: float = Field(default=1.0, ge=0, le=86_400, description="How long to hold the slots.")
-
-
 JOB_KINDS: dict[str, type[JobConfig]] = {
     "rl-train": RLJobConfig,
     "self-play": SelfPlayJobConfig,
     "sft-train": SFTJobConfig,
     "batch-inference": InferenceJobConfig,
-    "gpu-probe": ProbeJobConfig,
 }
 """Each job kind's schema, by the name of its flow."""
 

@@ -82,7 +82,28 @@ def prefect_api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 
 
 @pytest.fixture(scope="session")
-def flowrl_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+def ray_local() -> Iterator[None]:
+    """One private local Ray for the whole session (8 logical CPUs, 2 logical GPUs): every flow
+    run in this process finds it initialised and uses it (prefect-ray starts and stops none),
+    and tests that need Ray directly share it. Kill and fault tests run their jobs in
+    subprocesses with a Ray of their own."""
+    import ray
+
+    # address="local": always a fresh private instance, never another user's running cluster.
+    ray.init(
+        address="local",
+        num_cpus=8,
+        num_gpus=2,
+        include_dashboard=False,
+        namespace="flowrl",
+        log_to_driver=False,
+    )
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def flowrl_home(tmp_path_factory: pytest.TempPathFactory, ray_local: None) -> Iterator:
     """FLOWRL_HOME for the session: embedded MLflow (SQLite) and storage under a temp folder."""
     home = tmp_path_factory.mktemp("flowrl-home")
     saved = {k: os.environ.get(k) for k in ("FLOWRL_HOME", "MLFLOW_TRACKING_URI")}

@@ -11,7 +11,6 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-import ray
 from fakes import ByteChat, say
 
 from flowrl.agent_loop.loop import LoopLimits, run_episodes
@@ -46,7 +45,7 @@ class PromptHashPolicy:
 
 
 def _start_service():
-    """``python -m environments.service`` on a free loopback port; returns (url, process)."""
+    """``python -m flowrl.environments.service`` on a free loopback port; returns (url, process)."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "flowrl.environments.service", "--port", str(port)],
@@ -69,10 +68,8 @@ def env_service():
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, namespace="flowrl")
-    yield
-    ray.shutdown()
+def local_ray(ray_local):
+    """The session's Ray (conftest)."""
 
 
 def _play(factory, rows, policy=None, max_turns=9):

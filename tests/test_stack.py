@@ -113,7 +113,7 @@ def test_submission_to_start_latency_on_an_idle_pool(stack_env, probe_deployment
 
 
 def test_a_job_larger_than_the_pool_is_refused_by_the_cli(stack_env, monkeypatch, capsys):
-    from flowrl.infra.cli import main
+    from flowrl.cli import main
 
     monkeypatch.setenv("PREFECT_LOGGING_LEVEL", "WARNING")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", stack_env.env["FLOWRL_MLFLOW_TRACKING_URI"])

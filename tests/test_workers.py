@@ -214,13 +214,8 @@ def test_lora_trains_only_the_adapter_checkpoints_it_small_and_exports_merged(
 
 
 @pytest.fixture
-def ray_cluster() -> Iterator[None]:
-    import ray
-
-    # address="local": always a fresh private instance, never another user's running cluster.
-    ray.init(address="local", num_cpus=4, include_dashboard=False, namespace="flowrl")
-    yield
-    ray.shutdown()
+def ray_cluster(ray_local) -> None:
+    """The session's Ray (conftest)."""
 
 
 def test_ray_actors_sample_update_sync_and_stop(ray_cluster, model_dir, prompts, tmp_path):

@@ -1,0 +1,171 @@
+"""The house's layering, read from the code's own imports (ast), and its one import root.
+
+cli → flows → tasks → backends / agent_loop → environments; infra is used by all and uses none
+of them. Prefect tasks are defined only in ``tasks/``.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+PACKAGES = ("flows", "tasks", "agent_loop", "environments", "backends", "infra")
+NEVER = {
+    "cli": set(),
+    "flows": {"cli"},
+    "tasks": {"flows", "cli"},
+    "backends": {"tasks", "flows", "cli"},
+    "agent_loop": {"prefect", "tasks", "flows", "cli"},
+    "environments": {"torch", "backends", "agent_loop", "tasks", "flows", "cli"},
+    "infra": {"flows", "tasks", "backends", "agent_loop", "cli"},
+}
+
+
+def _modules() -> dict[str, Path]:
+    """Layer name → its files (``cli`` is flowrl/cli.py and flowrl/__main__.py)."""
+    files = {p: sorted((REPO / p).glob("*.py")) for p in PACKAGES}
+    files["cli"] = [REPO / "flowrl" / "cli.py", REPO / "flowrl" / "__main__.py"]
+    return files
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, imported module) of every absolute import, lazy ones inside functions too."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.lineno, node.module))
+    return found
+
+
+def _layer(module: str) -> str:
+    """``flowrl.tasks.rl`` → ``tasks``; ``flowrl.cli`` → ``cli``; ``torch.nn`` → ``torch``."""
+    parts = module.split(".")
+    if parts[0] == "flowrl" and len(parts) > 1:
+        return parts[1]
+    return parts[0]
+
+
+def test_no_layer_imports_what_it_must_never_import():
+    bad = [
+        f"{path.relative_to(REPO)}:{line} ({layer}) imports {module}"
+        for layer, paths in _modules().items()
+        for path in paths
+        for line, module in _imports(path)
+        if _layer(module) in NEVER[layer]
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_nothing_imports_the_cli_and_no_bare_top_level_names():
+    """The CLI sits on top; code reaches flowrl only through the ``flowrl.`` root."""
+    bad = []
+    for layer, paths in _modules().items():
+        for path in paths:
+            for line, module in _imports(path):
+                if module.split(".")[0] in PACKAGES:
+                    bad.append(f"{path.relative_to(REPO)}:{line} bare import {module}")
+                if layer != "cli" and module in ("flowrl.cli", "flowrl.__main__"):
+                    bad.append(f"{path.relative_to(REPO)}:{line} imports the CLI")
+    assert not bad, "\n".join(bad)
+
+
+def test_no_import_cycles_between_packages():
+    edges: dict[str, set[str]] = {layer: set() for layer in NEVER}
+    for layer, paths in _modules().items():
+        for path in paths:
+            for _, module in _imports(path):
+                target = _layer(module)
+                if module.startswith("flowrl.") and target in edges and target != layer:
+                    edges[layer].add(target)
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(
+            nxt == goal or (nxt not in seen and reaches(nxt, goal, seen | {nxt}))
+            for nxt in edges[start]
+        )
+
+    cycles = [layer for layer in edges if reaches(layer, layer, {layer})]
+    assert not cycles, {layer: sorted(edges[layer]) for layer in cycles}
+
+
+def test_prefect_tasks_are_defined_only_in_tasks():
+    def defines_task(path: Path) -> bool:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                for deco in node.decorator_list:
+                    target = deco.func if isinstance(deco, ast.Call) else deco
+                    if isinstance(target, ast.Name) and target.id == "task":
+                        return True
+        return False
+
+    elsewhere = [
+        str(path.relative_to(REPO))
+        for layer, paths in _modules().items()
+        if layer != "tasks"
+        for path in paths
+        if defines_task(path)
+    ]
+    assert not elsewhere, elsewhere
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        + ["-w", str(out), str(REPO)],
+        check=True,
+        capture_output=True,
+    )
+    (built,) = out.glob("flowrl-*.whl")
+    return built
+
+
+def test_the_wheel_installs_one_top_level_name(wheel: Path):
+    """``pip install .`` puts ``flowrl`` (and its dist-info) into site-packages, nothing else:
+    a user's own ``environments/`` or ``tasks`` package can neither shadow nor be shadowed."""
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"flowrl"}, tops
+    assert "flowrl/flows/rl.py" in names and "flowrl/infra/scheduler.yaml" in names
+
+
+def test_a_user_folder_named_like_a_layer_does_not_shadow_flowrl(tmp_path: Path):
+    """In a folder with its own ``environments/``, ``tasks/``, ``flows/`` and ``infra/``
+    packages beside the job's config, ``flowrl train`` still runs flowrl's code to the end."""
+    for name in ("environments", "tasks", "flows", "infra"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("raise ImportError('the user package')\n")
+    (tmp_path / "job.yaml").write_text(
+        "name: user-job\n"
+        "warmup: {enabled: false}\n"
+        "rollout: {prompts_per_step: 4, group_size: 2}\n"
+        "schedule: {steps: 1, eval_every: 1, checkpoint_every: 1}\n"
+    )
+    env = {
+        **os.environ,
+        "FLOWRL_HOME": str(tmp_path / "home"),
+        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PYTHONPATH": "",
+    }
+    env.pop("MLFLOW_TRACKING_URI", None)
+    env.pop("PREFECT_API_URL", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "flowrl", "train", "job.yaml"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "models:/user-job/1" in done.stdout

@@ -1,0 +1,154 @@
+"""The run lifecycle every flow shares: a job of every kind holds its GPU slots from before its
+workers start until they stop, and warm-up workers start with the job's own resources."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from flowrl.backends import actors
+from flowrl.backends.actors import ActorResources, WorkerPlan
+from flowrl.environments.arithmetic import ArithmeticTask
+from flowrl.tasks.jobs import (
+    InferenceJobConfig,
+    RLJobConfig,
+    SelfPlayJobConfig,
+    SFTJobConfig,
+)
+from flowrl.tasks.types import JobContext
+
+# Each policy's two workers ask for a quarter GPU, so even self-play's two policies fit on the
+# two logical GPUs of the test's Ray; the job holds both of the scheduler's slots.
+TWO_GPUS = {"gpus": 2, "gpus_per_worker": 0.25}
+SMALL_RL = {
+    "warmup": {"enabled": False},
+    "rollout": {"prompts_per_step": 2, "group_size": 2},
+    "schedule": {"steps": 1, "eval_every": 1, "checkpoint_every": 1},
+    "resources": TWO_GPUS,
+}
+
+
+def test_warmup_workers_start_with_the_jobs_resources_and_backends(tmp_path, monkeypatch):
+    from flowrl.tasks.model import prepare_model, warmup
+
+    started: list[tuple[str, ActorResources, str, str]] = []
+    real_start = actors.start_policy
+
+    def record(name, spec, resources, sampler_backend, trainer_backend):
+        started.append((name, resources, sampler_backend, trainer_backend))
+        return real_start(name, spec, local=True)  # the real workers, in this process
+
+    monkeypatch.setattr(actors, "start_policy", record)
+    cfg = RLJobConfig.model_validate(
+        {
+            "name": "warm-plan",
+            "warmup": {"max_steps": 2, "eval_every": 2, "batch_size": 4},
+            "resources": {"gpus_per_worker": 0.5, "trainer_backend": "torch", "torch_threads": 1},
+        }
+    )
+    ctx = JobContext(cfg.name, str(tmp_path / "s"), str(tmp_path / "c"), "warm-plan-run")
+    result = warmup.fn(cfg, ctx, prepare_model.fn(cfg, ctx))
+    assert result.steps == 2 and not result.cached
+    assert started == [("warm-plan-run-warmup", ActorResources(1, 0.5), "hf", "torch")]
+    assert cfg.resources.plan() == WorkerPlan(ActorResources(1, 0.5), "hf", "torch", 1)
+
+
+def _chat_file(folder: Path, n: int) -> str:
+    task = ArithmeticTask()
+    path = folder / "chat.jsonl"
+    rows = [{"messages": task.sft_example(task.problem(i))} for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _job(kind: str, folder: Path, base_model: str) -> tuple[Any, Any]:
+    """(flow, config) of a small job of ``kind`` that holds 2 GPU slots."""
+    from flowrl.flows.inference import batch_inference
+    from flowrl.flows.rl import rl_train
+    from flowrl.flows.selfplay import self_play
+    from flowrl.flows.sft import sft_train
+
+    if kind == "rl-train":
+        return rl_train, RLJobConfig.model_validate({"name": "slots-rl", **SMALL_RL})
+    if kind == "self-play":
+        return self_play, SelfPlayJobConfig.model_validate({"name": "slots-sp", **SMALL_RL})
+    if kind == "sft-train":
+        data = {"train": _chat_file(folder, 80), "eval_size": 8}
+        train = {"steps": 2, "eval_every": 2, "batch_size": 4}
+        cfg = {"name": "slots-sft", "data": data, "train": train, "resources": TWO_GPUS}
+        return sft_train, SFTJobConfig.model_validate(cfg)
+    cfg = {"name": "slots-inf", "model": base_model, "num_prompts": 4, "resources": TWO_GPUS}
+    return batch_inference, InferenceJobConfig.model_validate(cfg)
+
+
+@pytest.fixture(scope="module")
+def two_gpu_pool(prefect_api, flowrl_home, tmp_path_factory) -> str:
+    """The scheduler's objects with a 2-GPU pool; returns a tiny base model's URI."""
+    import os
+
+    from flowrl.infra.scheduler import apply_scheduler, load_scheduler
+    from flowrl.infra.settings import get_settings
+    from flowrl.tasks.model import prepare_model
+
+    os.environ["FLOWRL_POOL_GPUS"] = "2"
+    try:
+        asyncio.run(apply_scheduler(load_scheduler()))
+    finally:
+        os.environ.pop("FLOWRL_POOL_GPUS")
+    s = get_settings()
+    ctx = JobContext("slots", s.storage_root, s.model_cache_dir, "slots")
+    return prepare_model.fn(RLJobConfig(), ctx)
+
+
+async def _read_records(run_id: Any) -> tuple[Any, list[Any]]:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    async with get_client() as client:
+        run = await client.read_flow_run(run_id)
+        tasks = await client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id]))
+        )
+    return run, tasks
+
+
+async def _active_slots() -> int:
+    from prefect import get_client
+
+    async with get_client() as client:
+        return (await client.read_global_concurrency_limit_by_name("gpu")).active_slots
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("kind", ["rl-train", "sft-train", "self-play", "batch-inference"])
+def test_a_job_of_every_kind_holds_its_gpu_slots_until_it_ends(kind, two_gpu_pool, tmp_path):
+    from flowrl.flows.probe import gpu_probe
+
+    flow, config = _job(kind, tmp_path, two_gpu_pool)
+    outcome: dict[str, Any] = {}
+
+    def run_job() -> None:  # on the session's Ray, which has two logical GPUs (conftest)
+        outcome["job"] = flow(config, return_state=True)
+
+    job = threading.Thread(target=run_job)
+    job.start()
+    deadline = time.monotonic() + 300
+    while asyncio.run(_active_slots()) < 2:  # the job holds both slots
+        assert job.is_alive() and time.monotonic() < deadline, outcome
+        time.sleep(0.2)
+    probe = gpu_probe(seconds=0.0, gpus=1, return_state=True)  # waits for a slot
+    job.join(timeout=600)
+    job_state = outcome["job"]
+    assert job_state.is_completed(), job_state
+    held = probe.result()
+    run, task_runs = asyncio.run(_read_records(job_state.state_details.flow_run_id))
+    last_task_end = max(t.end_time for t in task_runs if t.end_time is not None)
+    # The probe got its slot only after the job's last stage ended: the job held both slots.
+    assert held["acquired"] >= last_task_end.timestamp(), (held, last_task_end)
+    assert asyncio.run(_active_slots()) == 0
