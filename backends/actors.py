@@ -17,6 +17,7 @@ from flowrl.backends.deepspeed_trainer import DeepSpeedTrainer, DeepSpeedZero3Tr
 from flowrl.backends.hf_workers import HFSampler, TorchTrainer
 from flowrl.backends.types import WorkerSpec
 from flowrl.backends.vllm_sampler import VLLMSampler
+from flowrl.infra.settings import worker_environment
 
 NAMESPACE = "flowrl"
 
@@ -113,7 +114,7 @@ def start_policy(
         _LOCAL_WORKERS[ref.sampler] = sampler_cls(spec)
         _LOCAL_WORKERS[ref.trainer] = trainer_cls(spec)
         return ref
-    env = {"env_vars": {"OMP_NUM_THREADS": str(spec.torch_threads)}}
+    env = {"env_vars": worker_environment() | {"OMP_NUM_THREADS": str(spec.torch_threads)}}
     handles = [
         ray.remote(cls)
         .options(

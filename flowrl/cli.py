@@ -16,13 +16,12 @@ import argparse
 import os
 import sys
 
+from flowrl import __version__
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flowrl", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="Run an RL training job (the rl-train flow).")
-    train.add_argument("config", nargs="?", help="YAML job config; omitted = embedded defaults.")
-    train.add_argument(
+
+def _add_config_arguments(parser: argparse.ArgumentParser, verbose: bool = True) -> None:
+    parser.add_argument("config", nargs="?", help="YAML job config; omitted = embedded defaults.")
+    parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
@@ -30,15 +29,22 @@ def _parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="Override a config field, e.g. --set schedule.steps=50 (repeatable).",
     )
-    train.add_argument("--verbose", action="store_true", help="Show Prefect's INFO logs.")
-    for name, text in (("selfplay", "the self-play flow"), ("sft", "the sft-train flow")):
-        job = sub.add_parser(name, help=f"Run a job of {text}.")
-        job.add_argument("config", nargs="?", help="YAML job config; omitted = defaults.")
-        job.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
-        job.add_argument("--verbose", action="store_true", help="Show Prefect's INFO logs.")
-    show = sub.add_parser("config", help="Print the validated config (defaults filled in).")
-    show.add_argument("config", nargs="?")
-    show.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    if verbose:
+        parser.add_argument("--verbose", action="store_true", help="Show Prefect's INFO logs.")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="flowrl", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"flowrl {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, text in (
+        ("train", "an RL training job (the rl-train flow)"),
+        ("selfplay", "a multi-agent self-play job (the self-play flow)"),
+        ("sft", "a supervised fine-tuning job (the sft-train flow)"),
+    ):
+        _add_config_arguments(sub.add_parser(name, help=f"Run {text} in this process."))
+    show = sub.add_parser("config", help="Print the validated RL config (defaults filled in).")
+    _add_config_arguments(show, verbose=False)
     _add_infra_commands(sub)
     return parser
 
@@ -51,7 +57,9 @@ def _add_infra_commands(sub) -> None:
     stack.add_argument("action", choices=["up", "down", "status", "env"])
     stack.add_argument("--gpus", type=int, default=None, help="GPUs of the pool (default: yaml).")
     stack.add_argument("--no-ray", action="store_true", help="Do not start a Ray head.")
-    stack.add_argument("--no-deployments", action="store_true")
+    stack.add_argument(
+        "--no-deployments", action="store_true", help="Do not apply prefect.yaml's deployments."
+    )
     jobs = sub.add_parser("jobs", help="Submit and follow jobs on the Prefect API.")
     jsub = jobs.add_subparsers(dest="action", required=True)
     submit = jsub.add_parser("submit", help="Submit a job to a deployment; prints its id.")
@@ -66,12 +74,18 @@ def _add_infra_commands(sub) -> None:
         help="Other flow parameter (YAML value), e.g. --param seconds=2.",
     )
     submit.add_argument("--queue", help="Work queue (default: the deployment's).")
-    for verb in ("status", "cancel", "metrics", "result"):
-        jsub.add_parser(verb).add_argument("run_id")
-    wait = jsub.add_parser("wait")
-    wait.add_argument("run_id")
-    wait.add_argument("--timeout", type=float, default=3600)
-    jsub.add_parser("list").add_argument("--limit", type=int, default=20)
+    for verb, text in (
+        ("status", "Print a job's state; exit 1 if it FAILED, CRASHED or was CANCELLED."),
+        ("cancel", "Cancel a job."),
+        ("metrics", "Print a finished job's latest MLflow metrics."),
+        ("result", "Print a finished job's result."),
+    ):
+        jsub.add_parser(verb, help=text).add_argument("run_id", help="Prefect flow-run id.")
+    wait = jsub.add_parser("wait", help="Wait for a job to end; exit 1 unless it COMPLETED.")
+    wait.add_argument("run_id", help="Prefect flow-run id.")
+    wait.add_argument("--timeout", type=float, default=3600, help="Seconds to wait at most.")
+    listing = jsub.add_parser("list", help="List recent jobs with their state and queue.")
+    listing.add_argument("--limit", type=int, default=20, help="Jobs to list.")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,7 +242,11 @@ def _jobs(args) -> int:
     else:
         status = jobs.status(args.run_id)
     print(f"{status.id}  {status.state}  {status.message or ''}")
-    return 0 if status.state != "FAILED" else 1
+    if args.action == "wait":
+        return 0 if status.state == "COMPLETED" else 1
+    if args.action == "status":
+        return 1 if status.state in ("FAILED", "CRASHED", "CANCELLED") else 0
+    return 0
 
 
 if __name__ == "__main__":

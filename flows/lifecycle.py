@@ -12,13 +12,14 @@ from typing import Any
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.runtime import flow_run
 from prefect_ray import RayTaskRunner
+from prefect_ray.context import remote_options
 from tqdm import tqdm
 
 from flowrl.backends.actors import PolicyRef, stop_policy
 from flowrl.backends.types import WorkerSpec
 from flowrl.infra import tracking
 from flowrl.infra.scheduler import gpu_slots
-from flowrl.infra.settings import get_settings
+from flowrl.infra.settings import get_settings, worker_environment
 from flowrl.infra.storage import Storage
 from flowrl.tasks.jobs import JobConfig
 from flowrl.tasks.types import JobContext
@@ -32,6 +33,7 @@ def task_runner() -> RayTaskRunner:
         init |= {"num_cpus": s.ray_num_cpus, "include_dashboard": False}
         if s.ray_num_gpus is not None:
             init["num_gpus"] = s.ray_num_gpus
+    # The job's own settings reach its tasks per job (JobRun), not when the flow is defined.
     init["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
     return RayTaskRunner(address=s.ray_address, init_kwargs=init)
 
@@ -68,6 +70,8 @@ class JobRun:
     def __enter__(self) -> JobRun:
         get_settings().apply_to_environment()
         with contextlib.ExitStack() as entering:
+            # Every stage's Ray task sees the job's settings, whichever Ray runs it.
+            entering.enter_context(remote_options(runtime_env={"env_vars": worker_environment()}))
             entering.enter_context(gpu_slots(self.config.resources.gpus))
             entering.callback(self._stop_workers)  # runs first on exit: workers, then slots
             self.run_id = self._start_tracking()

@@ -94,6 +94,19 @@ class Settings(BaseSettings):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+WORKER_ENV_PREFIXES = ("FLOWRL_", "MLFLOW_", "AWS_")
+"""Settings and credentials a job's Ray tasks and actors read from their environment."""
+
+
+def worker_environment() -> dict[str, str]:
+    """The variables a job's Ray workers need (storage, MLflow, S3 credentials), taken from
+    this process after ``apply_to_environment``: they travel as the workers' ``runtime_env``,
+    never as task parameters, so a Ray cluster started elsewhere (or earlier) sees the job's
+    settings."""
+    env = {k: v for k, v in os.environ.items() if k.startswith(WORKER_ENV_PREFIXES)}
+    return env | {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
 def get_settings() -> Settings:
     """Read the settings afresh from the environment (cheap; no caching across tests)."""
     return Settings()
