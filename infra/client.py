@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
+from flowrl.infra.configfile import merge
 from flowrl.infra.scheduler import admit, load_scheduler
 
 
@@ -88,16 +89,23 @@ class JobClient:
         run_name: str | None = None,
     ) -> str:
         """Submit without waiting; returns the flow-run id. Refused at once (``AdmissionError``)
-        if the job asks for more GPUs than the pool has."""
+        if the job asks for more GPUs than the pool has.
+
+        The submitted parameters are merged into the deployment's own, field by field (Prefect
+        replaces a whole top-level parameter): ``rl-train-lora`` with a submitted ``config``
+        keeps its ``model.lora.enabled`` unless the submission sets it."""
         from prefect.deployments import run_deployment
 
-        parameters = parameters or {}
+        name = self.deployment_name(deployment)
+        with self._client() as c:
+            defaults = c.read_deployment_by_name(name).parameters or {}
+        parameters = merge(defaults, parameters or {})
         gpus = requested_gpus(parameters)
         admit(gpus)
         # On Kubernetes the pod asks the node for the job's GPUs (base job template `gpus`).
         kube = load_scheduler().pool.type == "kubernetes"
         run = run_deployment(
-            self.deployment_name(deployment),
+            name,
             parameters=parameters,
             timeout=0,
             work_queue_name=queue,

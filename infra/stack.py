@@ -189,8 +189,10 @@ def _start_all(state: StackState, gpus: int | None, deploy: bool, ray: bool) -> 
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "RAY_USAGE_STATS_ENABLED": "0",
     }
-    if gpus is not None:
-        state.env["FLOWRL_POOL_GPUS"] = str(gpus)
+    if gpus is not None or ray:
+        # Admission matches placement: the pool's GPU slots are the GPUs the Ray head offers,
+        # so a job asking for more is refused at submission instead of waiting forever.
+        state.env["FLOWRL_POOL_GPUS"] = str(gpus or 0)
     if get_settings().scheduler_file is not None:
         state.env["FLOWRL_SCHEDULER_FILE"] = str(get_settings().scheduler_file.resolve())
     if ray:
@@ -212,6 +214,8 @@ def _start_all(state: StackState, gpus: int | None, deploy: bool, ray: bool) -> 
     worker_env = {
         **state.env,
         "PREFECT_WORKER_QUERY_SECONDS": str(WORKER_QUERY_SECONDS),
+        # Flow and task logs reach the Prefect API at INFO (the CLI quiets its own terminal).
+        "PREFECT_LOGGING_LEVEL": "INFO",
         "PREFECT_HOME": str(stack_dir() / "worker-home"),
     }
     pid = _spawn("worker", cmd, worker_env, state, prefect_url)

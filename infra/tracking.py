@@ -24,6 +24,16 @@ def client() -> MlflowClient:
     return MlflowClient(tracking_uri=uri)
 
 
+def artifact_root() -> str | None:
+    """Where a new experiment keeps its artifacts: ``<home>/mlartifacts`` for an embedded
+    (file or database) store, never the working directory of whichever process logs first; a
+    tracking server decides for itself (its ``--artifacts-destination``)."""
+    settings = get_settings()
+    if settings.tracking_uri.startswith(("http://", "https://", "databricks")):
+        return None
+    return (settings.resolved_home / "mlartifacts").as_uri()
+
+
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
     """``{"a": {"b": 1}}`` → ``{"a.b": "1"}``; secret-looking keys are dropped."""
     out: dict[str, str] = {}
@@ -51,7 +61,7 @@ def start_run(
         except mlflow.exceptions.MlflowException:
             pass  # the tracking store was reset: start afresh
     exp = c.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp else c.create_experiment(experiment)
+    exp_id = exp.experiment_id if exp else c.create_experiment(experiment, artifact_root())
     run = c.create_run(exp_id, run_name=run_name, tags={"flowrl.job": run_name})
     flat = flatten(params)
     c.log_batch(run.info.run_id, params=[Param(k, v[:6000]) for k, v in flat.items()])

@@ -251,7 +251,13 @@ class SFTDataSection(_Section):
 class SFTTrainSection(_Section):
     steps: int = Field(default=300, ge=1, description="Optimiser steps.")
     batch_size: int = Field(default=32, ge=1, description="Conversations per step.")
-    learning_rate: float = Field(default=3e-3, gt=0, le=1, description="AdamW learning rate.")
+    learning_rate: float = Field(
+        default=1e-3,
+        gt=0,
+        le=1,
+        description="AdamW learning rate (3e-3 stalled on 3 of 8 seeds of the tiny arithmetic "
+        "SFT; 1e-3 learned on all).",
+    )
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
     eval_every: int = Field(default=100, ge=1, description="Steps between held-out evaluations.")
     max_new_tokens: int = Field(

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -87,23 +89,31 @@ def _job(kind: str, folder: Path, base_model: str) -> tuple[Any, Any]:
     return batch_inference, InferenceJobConfig.model_validate(cfg)
 
 
-@pytest.fixture(scope="module")
-def two_gpu_pool(prefect_api, flowrl_home, tmp_path_factory) -> str:
-    """The scheduler's objects with a 2-GPU pool; returns a tiny base model's URI."""
-    import os
+LIMIT = "gpu-lifecycle"
+DECLARATION = f"""
+pool: {{name: lifecycle-pool, type: process, gpus: 2}}
+gpu_limit: {LIMIT}
+queues:
+  - {{name: jobs, priority: 1}}
+"""
 
+
+@pytest.fixture(scope="module")
+def two_gpu_pool(prefect_api, flowrl_home, tmp_path_factory) -> Iterator[str]:
+    """A scheduler declaration of its own (a 2-GPU pool, limit ``gpu-lifecycle``) applied to
+    the session's Prefect API, in force for this module; yields a tiny base model's URI."""
     from flowrl.infra.scheduler import apply_scheduler, load_scheduler
     from flowrl.infra.settings import get_settings
     from flowrl.tasks.model import prepare_model
 
-    os.environ["FLOWRL_POOL_GPUS"] = "2"
-    try:
-        asyncio.run(apply_scheduler(load_scheduler()))
-    finally:
-        os.environ.pop("FLOWRL_POOL_GPUS")
+    declaration = tmp_path_factory.mktemp("scheduler") / "scheduler.yaml"
+    declaration.write_text(DECLARATION)
+    os.environ["FLOWRL_SCHEDULER_FILE"] = str(declaration)
+    asyncio.run(apply_scheduler(load_scheduler()))
     s = get_settings()
     ctx = JobContext("slots", s.storage_root, s.model_cache_dir, "slots")
-    return prepare_model.fn(RLJobConfig(), ctx)
+    yield prepare_model.fn(RLJobConfig(), ctx)
+    os.environ.pop("FLOWRL_SCHEDULER_FILE")
 
 
 async def _read_records(run_id: Any) -> tuple[Any, list[Any]]:
@@ -122,7 +132,7 @@ async def _active_slots() -> int:
     from prefect import get_client
 
     async with get_client() as client:
-        return (await client.read_global_concurrency_limit_by_name("gpu")).active_slots
+        return (await client.read_global_concurrency_limit_by_name(LIMIT)).active_slots
 
 
 @pytest.mark.e2e

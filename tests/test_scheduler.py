@@ -18,7 +18,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _flow_entrypoints() -> set[str]:
-    """``file.py:function`` of every @flow in flows/."""
+    """``flowrl.flows.<module>.<function>`` of every @flow in flows/ (a module path: what a
+    worker with flowrl installed imports)."""
     found = set()
     for path in sorted((REPO / "flows").glob("*.py")):
         for node in ast.parse(path.read_text()).body:
@@ -26,7 +27,7 @@ def _flow_entrypoints() -> set[str]:
                 isinstance(d, ast.Call) and getattr(d.func, "id", "") == "flow"
                 for d in node.decorator_list
             ):
-                found.add(f"flows/{path.name}:{node.name}")
+                found.add(f"flowrl.flows.{path.stem}.{node.name}")
     return found
 
 

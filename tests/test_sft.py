@@ -51,7 +51,11 @@ def test_sft_lifts_exact_match_to_80_percent_within_3_minutes(chat_files, tmp_pa
         {
             "name": "sft-arith",
             "data": {"train": train_uri, "eval": eval_uri},
-            "train": {"batch_size": 64, "learning_rate": 3e-3},
+            # lr 1e-3, not 3e-3: at 3e-3 three of eight seeds stalled (exact match 0.05-0.31
+            # after 800 steps) and so did seed 0 on AVX2 kernels (0.755); at 1e-3 all of nine
+            # runs (eight seeds + AVX2) reached >= 0.88 by step 400 (2026-11-23, see the note
+            # on issue 10).
+            "train": {"batch_size": 64, "learning_rate": 1e-3},
         }
     )
     ctx = JobContext(cfg.name, str(tmp_path / "store"), str(tmp_path / "cache"), "sft-arith")
@@ -64,12 +68,12 @@ def test_sft_lifts_exact_match_to_80_percent_within_3_minutes(chat_files, tmp_pa
     )
     policy = start_policy("test-sft", spec, local=True)
     try:
-        before = evaluate_exact_match.fn(cfg, ctx, base_uri, policy, data)["eval/exact_match"]
+        before = evaluate_exact_match.fn(cfg, ctx, base_uri, policy, data).exact_match
         cursor, steps, accuracy, losses = None, 0, before, []
         while accuracy < 0.8 and steps < 800:
             chunk = train_steps.fn(cfg, ctx, base_uri, policy, data, 100, cursor)
             cursor, steps, losses = chunk.cursor, steps + 100, losses + chunk.losses
-            accuracy = evaluate_exact_match.fn(cfg, ctx, base_uri, policy, data)["eval/exact_match"]
+            accuracy = evaluate_exact_match.fn(cfg, ctx, base_uri, policy, data).exact_match
         seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     finally:
         stop_policy(policy)
@@ -81,8 +85,8 @@ def test_sft_lifts_exact_match_to_80_percent_within_3_minutes(chat_files, tmp_pa
     assert accuracy >= 0.8, (accuracy, steps)
     # The acceptance bound is 3 minutes on one core; on the shared test box the wall clock is
     # dominated by other processes, so the CPU time this process used is what is bounded.
-    assert cpu_seconds < 180
-    assert sum(losses[-10:]) < sum(losses[:10]) / 5
+    assert cpu_seconds < 180  # measured 16-36 s at the stop, <= 75 s for all 800 steps
+    assert sum(losses[-10:]) < sum(losses[:10]) / 5  # the lowest ratio seen at the stop: 21
 
 
 def test_loss_is_only_on_assistant_tokens(chat_files, tmp_path):

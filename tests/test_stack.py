@@ -38,7 +38,7 @@ def probe_deployment(local_stack):
     finally:
         os.environ.pop("FLOWRL_SCHEDULER_FILE")
     with temporary_settings(updates={PREFECT_API_URL: local_stack.env["PREFECT_API_URL"]}):
-        Flow.from_source(str(REPO), "flowrl.flows.probe:gpu_probe").deploy(
+        Flow.from_source(str(REPO), "flowrl.flows.probe.gpu_probe").deploy(
             "gpu-probe",
             work_pool_name=pool,
             work_queue_name="hi",
