@@ -139,7 +139,7 @@ def test_the_wheel_installs_one_top_level_name(wheel: Path):
     assert "flowrl/flows/rl.py" in names and "flowrl/infra/scheduler.yaml" in names
 
 
-def test_a_user_folder_named_like_a_layer_does_not_shadow_flowrl(tmp_path: Path):
+def test_a_user_folder_named_like_a_layer_does_not_shadow_flowrl(tmp_path: Path, prefect_api):
     """In a folder with its own ``environments/``, ``tasks/``, ``flows/`` and ``infra/``
     packages beside the job's config, ``flowrl train`` still runs flowrl's code to the end."""
     for name in ("environments", "tasks", "flows", "infra"):
@@ -147,18 +147,20 @@ def test_a_user_folder_named_like_a_layer_does_not_shadow_flowrl(tmp_path: Path)
         (tmp_path / name / "__init__.py").write_text("raise ImportError('the user package')\n")
     (tmp_path / "job.yaml").write_text(
         "name: user-job\n"
+        "env: {params: {eval_size: 16}}\n"
         "warmup: {enabled: false}\n"
         "rollout: {prompts_per_step: 4, group_size: 2}\n"
         "schedule: {steps: 1, eval_every: 1, checkpoint_every: 1}\n"
     )
+    from prefect.settings import PREFECT_API_URL
+
     env = {
         **os.environ,
         "FLOWRL_HOME": str(tmp_path / "home"),
-        "PREFECT_HOME": str(tmp_path / "prefect"),
+        "PREFECT_API_URL": PREFECT_API_URL.value(),  # the session's API: no cold start
         "PYTHONPATH": "",
     }
     env.pop("MLFLOW_TRACKING_URI", None)
-    env.pop("PREFECT_API_URL", None)
     done = subprocess.run(
         [sys.executable, "-m", "flowrl", "train", "job.yaml"],
         cwd=tmp_path,
