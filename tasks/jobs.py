@@ -298,6 +298,18 @@ class TrainingJobConfig(JobConfig):
     def registered_model_name(self) -> str:
         return self.register_as or self.name
 
+    @property
+    def optimiser(self) -> AlgorithmSection | SFTTrainSection:
+        """The section holding this job kind's ``learning_rate`` and ``max_grad_norm``."""
+        raise NotImplementedError
+
+    def worker_settings(self) -> dict[str, Any]:
+        o = self.optimiser
+        return super().worker_settings() | {
+            "learning_rate": o.learning_rate,
+            "max_grad_norm": o.max_grad_norm,
+        }
+
 
 class RLJobConfig(TrainingJobConfig):
     """An RL training job: environment + model + algorithm + resources → a registered policy."""
@@ -313,12 +325,9 @@ class RLJobConfig(TrainingJobConfig):
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="Sampling.")
     schedule: ScheduleSection = Field(default_factory=ScheduleSection, description="Loop.")
 
-    def worker_settings(self) -> dict[str, Any]:
-        a = self.algorithm
-        return super().worker_settings() | {
-            "learning_rate": a.learning_rate,
-            "max_grad_norm": a.max_grad_norm,
-        }
+    @property
+    def optimiser(self) -> AlgorithmSection:
+        return self.algorithm
 
     @model_validator(mode="after")
     def _images_need_a_vision_model(self) -> RLJobConfig:
@@ -384,12 +393,9 @@ class SFTJobConfig(TrainingJobConfig):
     data: SFTDataSection = Field(description="Chat datasets.")
     train: SFTTrainSection = Field(default_factory=SFTTrainSection, description="Optimisation.")
 
-    def worker_settings(self) -> dict[str, Any]:
-        t = self.train
-        return super().worker_settings() | {
-            "learning_rate": t.learning_rate,
-            "max_grad_norm": t.max_grad_norm,
-        }
+    @property
+    def optimiser(self) -> SFTTrainSection:
+        return self.train
 
 
 def _registered_champion() -> ModelSection:
