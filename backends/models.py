@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -235,7 +236,8 @@ def resolve_model_uri(uri: str, cache_dir: str) -> str:
     - any other fsspec URL (``s3://`` ...): copied into ``cache_dir`` once, keyed by a hash of
       the URI (a copy is reused only when it completed).
 
-    The folder may be the URI itself or nested one level below it. Raises
+    The folder may be the URI itself or nested one level below it (in an MLflow Model: below
+    its ``artifacts/``, see ``backends.mlflow_model``). Raises
     ``FileNotFoundError`` (nothing there) or ``ValueError`` (unknown scheme) naming the URI.
     """
     if uri.startswith(_MLFLOW_SCHEMES):
@@ -246,6 +248,41 @@ def resolve_model_uri(uri: str, cache_dir: str) -> str:
             raise FileNotFoundError(f"no model folder at {uri!r} ({local} is not a directory)")
         return _find_model_folder(local, uri)
     return _find_model_folder(_download_fsspec(uri, Path(cache_dir)), uri)
+
+
+def check_model_source(uri: str) -> None:
+    """Fail fast, before a job starts, when ``model.source`` cannot be a model: a local folder
+    that is missing, unreadable or holds no ``config.json``; a registry name, version or alias
+    that does not exist; an fsspec URL with no ``config.json``. ``"tiny"`` is always fine.
+    Raises ``ValueError`` naming the source and what is wrong."""
+    if uri == "tiny":
+        return
+    try:
+        if uri.startswith(_MLFLOW_SCHEMES):
+            pinned = _pin_registry_version(uri)
+            if pinned is not None:
+                from flowrl.infra.tracking import client
+
+                name, _, version = pinned.removeprefix("models:/").rpartition("/")
+                client().get_model_version(name, version)
+            return
+        if uri.startswith("file://") or "://" not in uri:
+            local = Path(uri.removeprefix("file://")).expanduser()
+            if not local.is_dir():
+                raise ValueError("no such folder")
+            if not os.access(local, os.R_OK | os.X_OK):
+                raise ValueError("the folder is not readable")
+            _find_model_folder(local, uri)
+            return
+        import fsspec
+
+        fs, root = fsspec.core.url_to_fs(uri)
+        if not (fs.exists(f"{root.rstrip('/')}/config.json") or fs.glob(f"{root}/*/config.json")):
+            raise ValueError("no config.json there or one level below")
+    except ValueError as err:
+        raise ValueError(f"model.source {uri!r}: {err}") from None
+    except Exception as err:  # registry or storage said no: name it, without a traceback
+        raise ValueError(f"model.source {uri!r}: {type(err).__name__}: {err}") from None
 
 
 def _cache_slot(cache_dir: Path, key: str) -> Path:
@@ -336,6 +373,8 @@ def _pin_registry_version(uri: str) -> str | None:
 def _find_model_folder(root: Path, uri: str) -> str:
     if (root / "config.json").is_file():
         return str(root)
+    if (root / "MLmodel").is_file():  # a registered flowrl version: the pyfunc's HF artifact
+        root = root / "artifacts"
     nested = sorted(p.parent for p in root.glob("*/config.json"))
     if len(nested) == 1:
         return str(nested[0])

@@ -106,6 +106,13 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(config.model_dump(), sort_keys=False))
         return 0
+    from flowrl.backends.models import check_model_source
+
+    try:
+        check_model_source(config.model.source)  # before any server or worker starts
+    except ValueError as err:
+        print(f"flowrl: {err}", file=sys.stderr)
+        return 2
     _prepare(verbose=args.verbose)
     if args.command == "selfplay":
         from flowrl.flows.selfplay import self_play
@@ -144,6 +151,7 @@ def _train(config) -> int:
 
 
 def _ops(args) -> int:
+    from flowrl.infra.configfile import ConfigError
     from flowrl.infra.scheduler import AdmissionError
 
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -161,6 +169,9 @@ def _ops(args) -> int:
         return _jobs(args)
     except AdmissionError as err:
         print(f"flowrl: refused: {err}", file=sys.stderr)
+        return 2
+    except ConfigError as err:
+        print(f"flowrl: {err}", file=sys.stderr)
         return 2
 
 
@@ -206,12 +217,12 @@ def _stack(args) -> int:
 def _submit_parameters(args) -> dict:
     import yaml
 
-    from flowrl.infra.configfile import merge, parse_overrides
+    from flowrl.infra.configfile import merge, parse_overrides, resolve_config_path
 
     params = {k: v for k, v in (p.partition("=")[::2] for p in args.param)}
     params = {k: yaml.safe_load(v) for k, v in params.items()}
     if args.config or args.overrides:
-        config = yaml.safe_load(open(args.config).read()) if args.config else {}
+        config = yaml.safe_load(resolve_config_path(args.config).read_text()) if args.config else {}
         params["config"] = merge(config or {}, parse_overrides(args.overrides))
     return params
 

@@ -47,5 +47,5 @@ def batch_inference(config: InferenceJobConfig = InferenceJobConfig()) -> Infere
             reward_mean=out.reward_mean,
             mlflow_run_id=job.run_id,
         )
-        job.finish(result)
+        job.finish(result, table=tuple(sorted(out.metrics)))
     return result

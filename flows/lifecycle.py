@@ -9,7 +9,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.artifacts import (
+    create_link_artifact,
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
 from prefect.runtime import flow_run
 from prefect_ray import RayTaskRunner
 from prefect_ray.context import remote_options
@@ -147,14 +153,49 @@ class JobRun:
         tracking.log_metrics(self.run_id, metrics, step)
 
     def finish(
-        self, result: Any, curves: tuple[str, ...] = (), plot: str = "reward_curve.png"
+        self,
+        result: Any,
+        curves: tuple[str, ...] = (),
+        plot: str = "reward_curve.png",
+        table: tuple[str, ...] | None = None,
     ) -> None:
         """The job succeeded: plot ``curves`` (metric names) into the run's ``plot`` artifact,
-        write the result (a dataclass) as ``result.json`` beside ``job.json``, end the run."""
+        write the result (a dataclass) as ``result.json`` beside ``job.json``, give the Prefect
+        run its artifacts (a markdown summary, a results table of ``table`` metrics by step,
+        default ``curves``, and a link to the MLflow run), end the MLflow run."""
         if curves:
             tracking.log_reward_curve(self.run_id, list(curves), plot)
-        self.storage.write_json(f"{self.ctx.prefix}/result.json", dataclasses.asdict(result))
+        record = dataclasses.asdict(result)
+        self.storage.write_json(f"{self.ctx.prefix}/result.json", record)
+        self._prefect_artifacts(record, table if table is not None else curves)
         tracking.end_run(self.run_id)
+
+    def _prefect_artifacts(self, record: dict[str, Any], metrics: tuple[str, ...]) -> None:
+        key = _artifact_key(self.config.name)
+        link = tracking.run_url(self.run_id)
+        create_link_artifact(
+            link, link_text=f"MLflow run {self.run_id}", key=f"{key}-mlflow", description="MLflow"
+        )
+        rows = tracking.metric_table(self.run_id, list(metrics))
+        if rows:
+            create_table_artifact(rows, key=f"{key}-results", description="metrics by step")
+        lines = [f"# {self.config.name}", "", f"MLflow run: [{self.run_id}]({link})", ""]
+        lines += ["| result | value |", "|---|---|"]
+        lines += [f"| {k} | {_cell(v)} |" for k, v in record.items()]
+        if rows:
+            last = ", ".join(f"{k} {_cell(v)}" for k, v in rows[-1].items())
+            lines += ["", f"Last logged step: {last}"]
+        create_markdown_artifact("\n".join(lines), key=f"{key}-summary", description="summary")
+
+
+def _artifact_key(name: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-") or "job"
+
+
+def _cell(value: Any) -> str:
+    text = f"{value:.4f}" if isinstance(value, float) else str(value)
+    return text.replace("|", "\\|").replace("\n", " ")[:200]
 
 
 def due(step: int, total: int, every: int, at_end: bool = False) -> bool:

@@ -80,7 +80,9 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
         final = evaluate.submit(config, job.ctx, warm.model_uri, policy).result()
         metrics = final.metrics("final")
         job.log(metrics, config.schedule.steps)
-        registered = register.submit(config, job.ctx, policy, job.run_id, metrics).result()
+        registered = register.submit(
+            config, job.ctx, policy, job.run_id, metrics, base_uri
+        ).result()
         result = RLResult(
             job=config.name,
             model_uri=registered,

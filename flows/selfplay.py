@@ -61,10 +61,12 @@ def self_play(config: SelfPlayJobConfig = SelfPlayJobConfig()) -> SelfPlayResult
             checkpoint.submit(config, ctxs[o], refs[o], config.schedule.steps, {}).result()
             named = config.model_copy(update={"register_as": f"{config.registered_model_name}-{o}"})
             metrics = {k: v for k, v in final.items() if k.startswith(f"eval/{o}/")}
-            uris[o] = register.submit(named, ctxs[o], refs[o], job.run_id, metrics).result()
+            submitted = register.submit(named, ctxs[o], refs[o], job.run_id, metrics, base_uri)
+            uris[o] = submitted.result()
         scores = {o: final[f"eval/{o}/accuracy"] for o in owners}
         result = SelfPlayResult(config.name, uris, scores, job.run_id)
-        job.finish(result)
+        outcome = tuple(f"agent-{a}/outcome" for a in config.agents)
+        job.finish(result, table=outcome + tuple(f"eval/{o}/accuracy" for o in owners))
     logger.info("score vs heuristic %s; registered %s", scores, uris)
     return result
 

@@ -49,7 +49,9 @@ def sft_train(config: SFTJobConfig) -> SFTResult:
             last = evaluate_exact_match.submit(config, job.ctx, base_uri, policy, data).result()
             job.log(last.metrics(), step + n)
             job.advance(step + n, exact_match=last.exact_match)
-        registered = register.submit(config, job.ctx, policy, job.run_id, last.metrics()).result()
+        registered = register.submit(
+            config, job.ctx, policy, job.run_id, last.metrics(), base_uri
+        ).result()
         result = SFTResult(
             config.name, registered, first.exact_match, last.exact_match, job.run_id, total
         )

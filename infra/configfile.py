@@ -54,13 +54,34 @@ def merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def shipped_configs() -> dict[str, Path]:
+    """The example job configs that come with flowrl (``flowrl.configs``), by name."""
+    from importlib.resources import files
+
+    folder = Path(str(files("flowrl.configs")))
+    return {p.stem: p for p in sorted(folder.glob("*.yaml"))}
+
+
+def resolve_config_path(path: str | Path) -> Path:
+    """A config file: ``path`` if it is a file, else a shipped config of that name
+    (``arithmetic``, ``gomoku-selfplay`` ...); ``ConfigError`` listing the names otherwise."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    shipped = shipped_configs()
+    name = str(path).removesuffix(".yaml")
+    if "/" not in name and name in shipped:
+        return shipped[name]
+    raise ConfigError(
+        f"config file not found: {p} (nor a config shipped with flowrl: {', '.join(shipped)})"
+    )
+
+
 def read_mapping(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:
     """A YAML file's top-level mapping (``{}`` for no file) with ``--set`` overrides applied."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file not found: {p}")
+        p = resolve_config_path(path)
         loaded = yaml.safe_load(p.read_text()) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a mapping at the top level")

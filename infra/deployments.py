@@ -7,6 +7,8 @@ exist in the scheduler declaration, so a typo fails at ``flowrl infra up``, not 
 
 from __future__ import annotations
 
+import contextlib
+import io
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ import yaml
 from flowrl.infra.scheduler import SchedulerSpec
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-PREFECT_YAML = REPO_ROOT / "prefect.yaml"
+PREFECT_YAML = Path(__file__).resolve().parent / "prefect.yaml"  # also ./prefect.yaml (a link)
 
 
 def load_deployments(path: str | Path | None = None) -> list[dict[str, Any]]:
@@ -48,17 +50,18 @@ def apply_deployments(spec: SchedulerSpec, path: str | Path | None = None) -> li
             for s in d.get("schedules") or []
             if s.get("active", True)
         ]
-        flow.deploy(
-            d["name"],
-            work_pool_name=spec.pool.name,
-            work_queue_name=d["work_pool"]["work_queue_name"],
-            parameters=d.get("parameters") or {},
-            schedules=schedules or None,
-            description=d.get("description"),
-            build=False,
-            push=False,
-            print_next_steps=False,
-            ignore_warnings=True,
-        )
+        with contextlib.redirect_stdout(io.StringIO()):  # Prefect prints a table per deployment
+            flow.deploy(
+                d["name"],
+                work_pool_name=spec.pool.name,
+                work_queue_name=d["work_pool"]["work_queue_name"],
+                parameters=d.get("parameters") or {},
+                schedules=schedules or None,
+                description=d.get("description"),
+                build=False,
+                push=False,
+                print_next_steps=False,
+                ignore_warnings=True,
+            )
         done.append(f"deployment {flow.name}/{d['name']} -> {d['work_pool']['work_queue_name']}")
     return done

@@ -6,11 +6,12 @@ import json
 import os
 import tempfile
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlflow
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 
 from flowrl.infra.settings import get_settings
 
@@ -97,6 +98,24 @@ def set_alias(name: str, alias: str, version: str) -> None:
     client().set_registered_model_alias(name, alias, version)
 
 
+def run_url(run_id: str) -> str:
+    """Where to look at a run: its MLflow UI page on a tracking server, else ``runs:/<id>``
+    (which every MLflow client resolves against the embedded store)."""
+    c = client()
+    return run_link(c.get_run(run_id).info.experiment_id, run_id) or f"runs:/{run_id}"
+
+
+def metric_table(run_id: str, names: list[str], limit: int = 500) -> list[dict[str, float]]:
+    """One row per step at which any of ``names`` was logged: ``{"step": s, name: value}``
+    (the last ``limit`` steps)."""
+    c = client()
+    by_step: dict[int, dict[str, float]] = {}
+    for name in names:
+        for m in c.get_metric_history(run_id, name):
+            by_step.setdefault(m.step, {"step": m.step})[name] = m.value
+    return [by_step[s] for s in sorted(by_step)][-limit:]
+
+
 def log_json(run_id: str, obj: Any, artifact_file: str) -> None:
     client().log_dict(run_id, obj, artifact_file)
 
@@ -127,18 +146,133 @@ def end_run(run_id: str, status: str = "FINISHED") -> None:
     client().set_terminated(run_id, status=status)
 
 
-def register_policy(run_id: str, local_dir: str, name: str, metrics: dict[str, float]) -> str:
-    """Log an HF folder as the run's ``policy`` artifact and register it; returns its URI."""
+@dataclass(frozen=True)
+class DataFile:
+    """A data file a model was trained or evaluated on, for the version's lineage."""
+
+    uri: str
+    sha256: str
+    context: str  # "train" or "eval"
+
+
+@dataclass
+class Lineage:
+    """Where a registered version comes from: shown in its description, tags and run inputs."""
+
+    job: str
+    kind: str  # rl-train, sft-train, self-play
+    base_model: str  # the pinned URI the job trained from (models:/name/3, s3://..., a path)
+    environment: str = ""  # registered environment name ("" for SFT on data files)
+    environment_code: str = ""  # sha256 of the environment's source module
+    data: list[DataFile] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+
+    def tags(self) -> dict[str, str]:
+        tags = {
+            "flowrl.job": self.job,
+            "flowrl.kind": self.kind,
+            "flowrl.base_model": self.base_model,
+        }
+        if self.environment:
+            tags["flowrl.environment"] = self.environment
+            tags["flowrl.environment_code_sha256"] = self.environment_code
+        for i, item in enumerate(self.data):
+            tags[f"flowrl.data.{i}"] = f"{item.context} {item.uri} sha256:{item.sha256}"
+        return tags
+
+
+def register_policy(
+    run_id: str,
+    hf_dir: str,
+    model_dir: str,
+    name: str,
+    metrics: dict[str, float],
+    lineage: Lineage,
+) -> str:
+    """Register a trained policy as a new version of ``name``; returns ``models:/name/N``.
+
+    - the HF folder ``hf_dir`` is logged as the run's ``policy`` artifact (downloadable as is);
+    - the MLflow Model in ``model_dir`` (``backends.mlflow_model``) becomes a logged model of the
+      run, with ``metrics`` as its metrics, the job's config as its params;
+    - data files are logged as the run's dataset inputs (name, sha256 digest, source URI);
+    - the version's source is that logged model; it carries a description, lineage tags, the
+      metrics as tags and (on a tracking server) a link to the run.
+    """
     c = client()
-    c.log_artifacts(run_id, local_dir, "policy")
+    run = c.get_run(run_id)
+    c.log_artifacts(run_id, hf_dir, "policy")
+    params = {k: v[:6000] for k, v in flatten(lineage.config).items()}
+    logged = c.create_logged_model(
+        run.info.experiment_id,
+        name=name,
+        source_run_id=run_id,
+        params=params,
+        tags=lineage.tags(),
+        model_type="flowrl-chat-policy",
+    )
+    try:
+        c.log_model_artifacts(logged.model_id, model_dir)
+    except Exception:
+        c.finalize_logged_model(logged.model_id, "FAILED")
+        raise
+    c.finalize_logged_model(logged.model_id, "READY")
+    now = int(time.time() * 1000)
+    linked = [Metric(k, float(v), now, 0, model_id=logged.model_id) for k, v in metrics.items()]
+    c.log_batch(run_id, metrics=linked)
+    if lineage.data:
+        inputs = [
+            DatasetInput(
+                Dataset(
+                    name=item.uri.rsplit("/", 1)[-1],
+                    digest=item.sha256[:16],
+                    source_type="path",
+                    source=json.dumps({"uri": item.uri, "sha256": item.sha256}),
+                ),
+                tags=[InputTag("mlflow.data.context", item.context)],
+            )
+            for item in lineage.data
+        ]
+        c.log_inputs(run_id, datasets=inputs)
     try:
         c.get_registered_model(name)
     except mlflow.exceptions.MlflowException:
-        c.create_registered_model(name, description="flowrl policy (HF model folder)")
-    source = f"{c.get_run(run_id).info.artifact_uri}/policy"
-    tags = {k.replace("/", "."): f"{v:.4f}" for k, v in metrics.items()}
-    version = c.create_model_version(name, source=source, run_id=run_id, tags=tags)
+        c.create_registered_model(
+            name, description="flowrl chat policy (MLflow pyfunc model holding an HF folder)"
+        )
+    description = _describe(lineage, metrics, run_id)
+    tags = lineage.tags() | {k.replace("/", "."): f"{v:.4f}" for k, v in metrics.items()}
+    version = c.create_model_version(
+        name,
+        source=logged.model_uri,
+        run_id=run_id,
+        tags=tags,
+        run_link=run_link(run.info.experiment_id, run_id),
+        description=description,
+        model_id=logged.model_id,
+    )
     return f"models:/{name}/{version.version}"
+
+
+def run_link(experiment_id: str, run_id: str) -> str | None:
+    """The MLflow UI page of a run, when the tracking store is a server; None otherwise."""
+    uri = get_settings().tracking_uri
+    if not uri.startswith(("http://", "https://")):
+        return None
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+
+
+def _describe(lineage: Lineage, metrics: dict[str, float], run_id: str) -> str:
+    lines = [f"{lineage.kind} job `{lineage.job}` (MLflow run {run_id})"]
+    lines.append(f"base model `{lineage.base_model}`")
+    if lineage.environment:
+        lines.append(
+            f"environment `{lineage.environment}` (code sha256 {lineage.environment_code[:12]})"
+        )
+    for item in lineage.data:
+        lines.append(f"{item.context} data `{item.uri}` (sha256 {item.sha256[:12]})")
+    if metrics:
+        lines.append(", ".join(f"{k} {v:.3f}" for k, v in sorted(metrics.items())))
+    return "\n".join(lines)
 
 
 def download_model(uri: str) -> str:

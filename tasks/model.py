@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import inspect
 import tempfile
+from pathlib import Path
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flowrl.backends.actors import PolicyRef, start_policy, stop_policy, trainer
+from flowrl.backends.mlflow_model import save_chat_model
 from flowrl.backends.models import build_tiny_model, pin_model_uri
 from flowrl.backends.types import WorkerSpec
+from flowrl.environments.data import ROW_FORMATS
 from flowrl.infra import tracking
 from flowrl.infra.settings import get_settings
 from flowrl.infra.storage import Storage
 from flowrl.tasks.common import chat_format, derived_seed, evaluate_policy, stable_hash
-from flowrl.tasks.jobs import JobConfig, RLJobConfig, TrainingJobConfig
+from flowrl.tasks.jobs import JOB_KINDS, JobConfig, RLJobConfig, TrainingJobConfig
 from flowrl.tasks.sft import sft_steps
 from flowrl.tasks.types import JobContext, WarmupResult
 
@@ -105,15 +110,75 @@ def register(
     policy: PolicyRef,
     run_id: str,
     metrics: dict[str, float],
+    base_uri: str,
 ) -> str:
-    """Export the policy as an HF folder (LoRA merged), log it to the MLflow run, register a
-    new version of ``cfg.registered_model_name`` (any training job: RL, SFT, self-play)."""
+    """Register the policy as a new version of ``cfg.registered_model_name`` (any training job:
+    RL, SFT, self-play): an MLflow Model (pyfunc over the HF folder, LoRA merged) with a chat
+    signature, the job's metrics, and its lineage (base model, environment code, data files,
+    config). The HF folder is also the run's ``policy`` artifact."""
     storage = Storage(ctx.storage_url)
     rel = f"{ctx.prefix}/policy"
     trainer(policy).export_pretrained(ctx.storage_url, rel)
+    lineage = job_lineage(cfg, base_uri)
     with tempfile.TemporaryDirectory() as tmp:
-        storage.get_dir(rel, tmp)
-        return tracking.register_policy(run_id, tmp, cfg.registered_model_name, metrics)
+        hf_dir, model_dir = f"{tmp}/hf", f"{tmp}/mlflow-model"
+        storage.get_dir(rel, hf_dir)
+        save_chat_model(hf_dir, model_dir, _example_messages(cfg))
+        return tracking.register_policy(
+            run_id, hf_dir, model_dir, cfg.registered_model_name, metrics, lineage
+        )
+
+
+def job_lineage(cfg: TrainingJobConfig, base_uri: str) -> tracking.Lineage:
+    """Where a job's model comes from: its base model, environment (with a hash of its code)
+    and the data files its config names (with their content hashes)."""
+    kind = next(k for k, schema in JOB_KINDS.items() if type(cfg) is schema)
+    config = cfg.model_dump(mode="json")
+    lineage = tracking.Lineage(job=cfg.name, kind=kind, base_model=base_uri, config=config)
+    env = getattr(cfg, "env", None)
+    files: list[tuple[str, str]] = []
+    if env is not None:
+        lineage.environment = env.name
+        lineage.environment_code = _source_sha256(type(env.task()))
+        files += [("train", v) for v in env.params.values() if _is_data_file(v)]
+    data = getattr(cfg, "data", None)
+    if data is not None:
+        files += [(c, uri) for c, uri in (("train", data.train), ("eval", data.eval)) if uri]
+    lineage.data = [tracking.DataFile(uri, _file_sha256(uri), c) for c, uri in files]
+    return lineage
+
+
+def _is_data_file(value: object) -> bool:
+    return isinstance(value, str) and value.split("?", 1)[0].lower().endswith(ROW_FORMATS)
+
+
+def _source_sha256(cls: type) -> str:
+    source = inspect.getsourcefile(cls)
+    return hashlib.sha256(Path(source).read_bytes()).hexdigest() if source else ""
+
+
+def _file_sha256(uri: str) -> str:
+    import fsspec
+
+    digest = hashlib.sha256()
+    with fsspec.open(uri, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _example_messages(cfg: TrainingJobConfig) -> list[dict[str, str]]:
+    """The model's input example: a held-out prompt of the job's own environment."""
+    env = getattr(cfg, "env", None)
+    if env is not None:
+        task_cfg = env.task()
+        rows = task_cfg.eval_set()
+        if rows:
+            conversation = task_cfg.sft_example(rows[0])
+            prompt = [m for m in conversation if m.get("role") != "assistant"][:2]
+            if prompt and all(isinstance(m.get("content"), str) for m in prompt):
+                return [{"role": m["role"], "content": m["content"]} for m in prompt]
+    return [{"role": "user", "content": "Hello"}]
 
 
 @task(name="evaluate-model", cache_policy=NO_CACHE)

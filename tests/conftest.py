@@ -20,6 +20,33 @@ QUIET_TEST_ENV = {
 }
 os.environ.update(QUIET_TEST_ENV)
 
+# ------------------------------------------------------------------ order under pytest-xdist
+
+# `make test` runs the suite on pytest-xdist workers, one test module per worker at a time
+# (`--dist loadfile --no-loadscope-reorder`). Modules start longest first (serial seconds at
+# the last measurement), so no long module is left to run alone at the end.
+SLOW_MODULES = (
+    "test_stack.py",  # ~215 s: the whole local stack, lease expiry, load test
+    "test_flow_e2e.py",  # ~180 s: an 80-step RL job
+    "test_resume_kill.py",  # ~130 s: two training processes
+    "test_flow_s3.py",  # ~115 s: a 20 s S3 outage mid-checkpoint
+    "test_lifecycle.py",  # ~100 s: a job of every kind
+    "test_retrain.py",  # ~80 s
+    "test_layering.py",  # ~60 s: a wheel build and a job in a user folder
+    "test_sft.py",  # ~50 s
+    "test_selfplay_flow.py",
+    "test_inference.py",
+    "test_off_policy_flow.py",
+    "test_notebooks.py",
+    "test_geometry_flow.py",
+    "test_workers.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a module
+
 
 # ---------------------------------------------------------------------------- S3 (moto)
 

@@ -73,6 +73,49 @@ def test_cli_rejects_bad_config_before_starting_anything(tmp_path):
     assert not (tmp_path / "home").exists()
 
 
+@pytest.mark.parametrize(
+    ("source", "says"),
+    [
+        ("{tmp}/nowhere", "no such folder"),
+        ("{tmp}/empty", "no config.json"),
+        ("models:/never-registered/3", "never-registered"),
+    ],
+)
+def test_cli_checks_model_source_before_starting_anything(tmp_path, source, says):
+    """A model.source that cannot be a model: exit 2 within seconds, one line naming it (no
+    traceback), and no job state written anywhere."""
+    (tmp_path / "empty").mkdir()
+    source = source.format(tmp=tmp_path)
+    env = {"FLOWRL_HOME": str(tmp_path / "home"), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "flowrl", "train", "--set", f"model.source={source}"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert f"model.source {source!r}" in proc.stderr and says in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "home" / "storage").exists()
+
+
+def test_shipped_configs_load_by_name():
+    """``flowrl train arithmetic`` reads the config shipped with flowrl; an unknown name lists
+    the shipped ones."""
+    from flowrl.infra.configfile import ConfigError, shipped_configs
+    from flowrl.tasks.jobs import load_job
+
+    assert {"arithmetic", "arithmetic-lora", "gomoku-selfplay"} <= set(shipped_configs())
+    assert load_job("arithmetic") == load_job(REPO / "configs" / "arithmetic.yaml")
+    assert load_job("arithmetic-lora.yaml").model.lora.enabled
+    with pytest.raises(ConfigError, match="arithmetic-lora"):
+        load_job("no-such-config")
+    with pytest.raises(ConfigError, match="not found"):
+        load_job("somewhere/arithmetic")  # a path is a path, never a name
+
+
 def test_settings_default_to_embedded_engines(tmp_path, monkeypatch):
     monkeypatch.setenv("FLOWRL_HOME", str(tmp_path))
     for var in ("FLOWRL_STORAGE_URL", "FLOWRL_MLFLOW_TRACKING_URI", "FLOWRL_RAY_ADDRESS"):

@@ -6,6 +6,7 @@ the flow's result, the MLflow run and registry, the stored checkpoints.
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import pytest
@@ -123,3 +124,44 @@ def test_second_run_skips_the_cached_warmup(trained):
     again = warmup.fn(config, ctx, base_uri)  # would start actors and train if not cached
     assert again.cached is True
     assert again.accuracy >= config.warmup.target_accuracy
+
+
+def test_prefect_has_the_runs_logs_and_artifacts(trained):
+    """What a Prefect user opens: the flow run's logs (the stage lines), its results table
+    (one row per step: reward, accuracy), a markdown summary, a link to the MLflow run and
+    the progress artifact at 100 %."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        ArtifactFilter,
+        ArtifactFilterKey,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+
+    _, result = trained
+    with get_client(sync_client=True) as client:
+        table = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["arithmetic-e2e-results"]))
+        )
+        assert table, "no results table"
+        flow_run_id = table[0].flow_run_id
+        artifacts = client.read_artifacts()
+        logs = client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200
+        )
+    data = table[0].data
+    rows = data if isinstance(data, list) else json.loads(data)
+    assert [row["step"] for row in rows] == list(range(0, STEPS + 1))  # 0: before RL
+    assert all("reward/mean" in row for row in rows[1:])
+    assert {row["step"] for row in rows if "eval/accuracy" in row} >= {0, 40, STEPS}
+    mine = [a for a in artifacts if a.flow_run_id == flow_run_id]
+    by_type = {a.type for a in mine}
+    assert {"table", "markdown", "progress"} <= by_type, by_type
+    link = next(a for a in mine if a.key == "arithmetic-e2e-mlflow")
+    assert result.mlflow_run_id in str(link.data)
+    summary = next(a for a in mine if a.type == "markdown")
+    assert result.model_uri in str(summary.data)
+    assert next(a for a in mine if a.type == "progress").data == 100.0
+    messages = [log.message for log in logs]
+    assert any("registered " + result.model_uri in m for m in messages), messages[-20:]
+    assert any(m.startswith("warm-up") for m in messages), messages[-20:]

@@ -132,21 +132,56 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_wheel_installs_one_top_level_name(wheel: Path):
     """``pip install .`` puts ``flowrl`` (and its dist-info) into site-packages, nothing else:
-    a user's own ``environments/`` or ``tasks`` package can neither shadow nor be shadowed."""
+    a user's own ``environments/`` or ``tasks`` package can neither shadow nor be shadowed.
+    The package data travels with it: scheduler and deployment declarations, k8s templates,
+    the example configs."""
     names = zipfile.ZipFile(wheel).namelist()
     tops = {name.split("/")[0] for name in names}
     assert {t for t in tops if not t.endswith(".dist-info")} == {"flowrl"}, tops
-    assert "flowrl/flows/rl.py" in names and "flowrl/infra/scheduler.yaml" in names
+    assert "flowrl/flows/rl.py" in names
+    for data in ("infra/scheduler.yaml", "infra/prefect.yaml", "configs/arithmetic.yaml"):
+        assert f"flowrl/{data}" in names, data
+    assert any(n.startswith("flowrl/infra/k8s/") for n in names)
+    shipped = {p.name for p in (REPO / "configs").glob("*.yaml")}
+    assert {n.removeprefix("flowrl/configs/") for n in names if n.endswith(".yaml")} >= shipped
 
 
-def test_a_user_folder_named_like_a_layer_does_not_shadow_flowrl(tmp_path: Path, prefect_api):
-    """In a folder with its own ``environments/``, ``tasks/``, ``flows/`` and ``infra/``
-    packages beside the job's config, ``flowrl train`` still runs flowrl's code to the end."""
+@pytest.fixture(scope="module")
+def wheel_venv(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A fresh venv outside the repository with the built wheel ``pip install``ed into it.
+    Its dependencies (torch, Prefect, Ray, MLflow ...) are read from this test's environment
+    through a ``.pth`` line (no second multi-GB install); that line adds a folder, it runs no
+    ``.pth`` inside it, so this checkout's editable install stays out of the venv."""
+    venv = tmp_path_factory.mktemp("venv") / "v"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    subprocess.run(
+        [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    deps = [p for p in sys.path if p.endswith("site-packages")]
+    (Path(site) / "zz_flowrl_test_deps.pth").write_text("\n".join(deps) + "\n")
+    return venv
+
+
+def test_the_installed_wheel_runs_infra_up_and_a_job_from_a_user_folder(
+    wheel_venv: Path, tmp_path: Path, prefect_api
+):
+    """Outside the repository, from the wheel: ``flowrl infra up`` applies the packaged
+    scheduler and deployment declarations, and ``flowrl train`` runs a shipped config by name
+    to a registered model, in a folder with its own ``environments/``, ``tasks/``, ``flows/``
+    and ``infra/`` packages (each raises on import) beside a config of the user's."""
     for name in ("environments", "tasks", "flows", "infra"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "__init__.py").write_text("raise ImportError('the user package')\n")
     (tmp_path / "job.yaml").write_text(
-        "name: user-job\n"
         "env: {params: {eval_size: 16}}\n"
         "warmup: {enabled: false}\n"
         "rollout: {prompts_per_step: 4, group_size: 2}\n"
@@ -158,16 +193,27 @@ def test_a_user_folder_named_like_a_layer_does_not_shadow_flowrl(tmp_path: Path,
         **os.environ,
         "FLOWRL_HOME": str(tmp_path / "home"),
         "PREFECT_API_URL": PREFECT_API_URL.value(),  # the session's API: no cold start
+        "FLOWRL_POOL_GPUS": "0",
         "PYTHONPATH": "",
     }
     env.pop("MLFLOW_TRACKING_URI", None)
-    done = subprocess.run(
-        [sys.executable, "-m", "flowrl", "train", "job.yaml"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    flowrl = str(wheel_venv / "bin" / "flowrl")
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [flowrl, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
+
+    where = run("--version")
+    assert where.returncode == 0 and where.stdout.startswith("flowrl "), where.stderr
+    up = run("infra", "up")
+    assert up.returncode == 0, up.stderr[-3000:]
+    for deployment in ("rl-train", "rl-train-lora", "sft-train", "retrain", "gpu-probe"):
+        assert deployment in up.stdout, up.stdout
+    done = run("train", "job.yaml", "--set", "name=user-job")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "models:/user-job/1" in done.stdout
+    shipped = run("train", "arithmetic", "--set", "schedule.steps=0")  # found by name
+    assert "config file not found" not in shipped.stderr
+    assert "schedule.steps" in shipped.stderr  # ... and validated: steps must be >= 1
+    assert shipped.returncode == 2

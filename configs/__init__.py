@@ -1,0 +1,1 @@
+"""Example job configs shipped with flowrl (data only): ``flowrl train arithmetic``."""
