@@ -49,6 +49,22 @@ def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return out
 
 
+def experiment_id(name: str) -> str:
+    """The id of experiment ``name``, created if missing; two jobs starting at once on a fresh
+    store both get the one experiment (the loser of the create race reads the winner's)."""
+    c = client()
+    found = c.get_experiment_by_name(name)
+    if found is not None:
+        return found.experiment_id
+    try:
+        return c.create_experiment(name, artifact_root())
+    except mlflow.exceptions.MlflowException:
+        found = c.get_experiment_by_name(name)
+        if found is None:
+            raise
+        return found.experiment_id
+
+
 def start_run(
     experiment: str, run_name: str, params: dict[str, Any], run_id: str | None = None
 ) -> str:
@@ -61,8 +77,7 @@ def start_run(
             return run_id
         except mlflow.exceptions.MlflowException:
             pass  # the tracking store was reset: start afresh
-    exp = c.get_experiment_by_name(experiment)
-    exp_id = exp.experiment_id if exp else c.create_experiment(experiment, artifact_root())
+    exp_id = experiment_id(experiment)
     run = c.create_run(exp_id, run_name=run_name, tags={"flowrl.job": run_name})
     flat = flatten(params)
     c.log_batch(run.info.run_id, params=[Param(k, v[:6000]) for k, v in flat.items()])

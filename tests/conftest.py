@@ -26,6 +26,7 @@ os.environ.update(QUIET_TEST_ENV)
 # (`--dist loadfile --no-loadscope-reorder`). Modules start longest first (serial seconds at
 # the last measurement), so no long module is left to run alone at the end.
 SLOW_MODULES = (
+    "test_deployments.py",  # ~370 s: every deployment through the worker, its own stack
     "test_stack.py",  # ~215 s: the whole local stack, lease expiry, load test
     "test_flow_e2e.py",  # ~180 s: an 80-step RL job
     "test_resume_kill.py",  # ~130 s: two training processes
@@ -34,6 +35,7 @@ SLOW_MODULES = (
     "test_retrain.py",  # ~80 s
     "test_layering.py",  # ~60 s: a wheel build and a job in a user folder
     "test_sft.py",  # ~50 s
+    "test_mlflow_model.py",  # ~30 s: mlflow models serve
     "test_selfplay_flow.py",
     "test_inference.py",
     "test_off_policy_flow.py",

@@ -38,7 +38,7 @@ def _overrides(*extra: str) -> list[str]:
     return out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def deployed(stack_env, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """prefect.yaml's deployments on the test pool; returns name -> ``flow/deployment``."""
     from flowrl.infra.deployments import PREFECT_YAML, apply_deployments
@@ -68,10 +68,24 @@ def _submit_cli(capsys, deployment: str, *args: str) -> str:
     return capsys.readouterr().out.strip().splitlines()[-1]
 
 
+def _logs(run_id: str) -> list[str]:
+    """The flow run's log lines as Prefect has them."""
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as c:
+        found = c.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(run_id)])), limit=200
+        )
+    return [log.message for log in found]
+
+
 def _wait_all(jobs: JobClient, runs: dict[str, str], timeout: float = 480) -> None:
     for name, run_id in runs.items():
         status = jobs.wait(run_id, timeout=timeout)
-        assert status.state == "COMPLETED", (name, status)
+        assert status.state == "COMPLETED", (name, status.message, _logs(run_id)[-8:])
 
 
 def _result(storage, job: str) -> dict:
