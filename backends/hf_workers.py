@@ -24,7 +24,12 @@ from flowrl.backends.algorithms import (
     get_policy_loss,
     token_logprobs,
 )
-from flowrl.backends.models import load_causal_lm, load_tokenizer, resolve_model_uri
+from flowrl.backends.models import (
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model_uri,
+    save_tokenizer,
+)
 from flowrl.backends.types import Datum, WorkerSpec
 from flowrl.backends.vlm import ImageInputs, copy_processor_files, vision_inputs
 from flowrl.infra.storage import Storage, commit_checkpoint, load_latest_checkpoint
@@ -365,7 +370,7 @@ class TorchTrainer:
             model = self._merged_copy()
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
-            self.tokenizer.save_pretrained(tmp)
+            save_tokenizer(self.tokenizer, tmp)
             copy_processor_files(self.model_path, tmp)  # a VLM's image processor settings
             storage.put_dir(tmp, rel)
         return storage.uri(rel)

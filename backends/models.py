@@ -184,7 +184,7 @@ def build_tiny_model(spec: TinyModelSpec, out_dir: str) -> str:
         torch.manual_seed(spec.seed)
         model = LlamaForCausalLM(config)
     model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
+    save_tokenizer(tokenizer, out_dir)
     return out_dir
 
 
@@ -204,6 +204,28 @@ def llama_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> Lla
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=True,
     )
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str) -> None:
+    """``tokenizer.save_pretrained(out_dir)``, written so that transformers 4.x loads it too
+    (older TRL and vLLM releases pin 4.x): transformers 5 names the class ``TokenizersBackend``
+    and lists the extra special tokens as ``extra_special_tokens``, which 4.x reads as a
+    mapping. The class becomes ``PreTrainedTokenizerFast`` (the same class in 5.x), the list
+    ``additional_special_tokens`` (read by both), and the chat template is also inlined for
+    4.x releases that do not read ``chat_template.jinja``."""
+    tokenizer.save_pretrained(out_dir)
+    path = Path(out_dir) / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    extra = config.pop("extra_special_tokens", None)
+    if isinstance(extra, list):
+        config["additional_special_tokens"] = extra
+    elif extra is not None:
+        config["extra_special_tokens"] = extra
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    template = Path(out_dir) / "chat_template.jinja"
+    if template.is_file():
+        config["chat_template"] = template.read_text()
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def load_tokenizer(path: str) -> PreTrainedTokenizerFast:

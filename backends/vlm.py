@@ -36,6 +36,7 @@ from flowrl.backends.models import (
     TinyModelSpec,
     build_tokenizer,
     llama_config,
+    save_tokenizer,
 )
 
 _TEXT_CONTENT = "{%- if message.content is defined -%}{{ message.content }}{%- endif -%}"
@@ -103,7 +104,7 @@ def build_tiny_vlm(spec: TinyModelSpec, out_dir: str) -> str:
         model = LlavaForConditionalGeneration(config)
     model.save_pretrained(out_dir)
     processor.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)  # the tokenizer's own files, as load_tokenizer reads them
+    save_tokenizer(tokenizer, out_dir)  # the tokenizer's own files, as load_tokenizer reads them
     return out_dir
 
 

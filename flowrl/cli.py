@@ -197,7 +197,10 @@ def _stack(args) -> int:
     from flowrl.infra import stack
 
     if args.action == "up":
-        state = stack.stack_up(gpus=args.gpus, deploy=not args.no_deployments, ray=not args.no_ray)
+        print("starting the local stack (about 1-2 min):", file=sys.stderr, flush=True)
+        state = stack.stack_up(
+            gpus=args.gpus, deploy=not args.no_deployments, ray=not args.no_ray, progress=True
+        )
     elif args.action == "down":
         print("stopped:", ", ".join(stack.stack_down()) or "nothing")
         return 0

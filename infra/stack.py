@@ -123,8 +123,11 @@ def stop_component(name: str, comp: Component, timeout: float = 20.0) -> None:
             time.sleep(0.2)
 
 
-def stack_up(gpus: int | None = None, deploy: bool = True, ray: bool = True) -> StackState:
-    """Start every component (idempotent: a running stack is returned as is)."""
+def stack_up(
+    gpus: int | None = None, deploy: bool = True, ray: bool = True, progress: bool = False
+) -> StackState:
+    """Start every component (idempotent: a running stack is returned as is); ``progress``
+    prints a line to stderr as each one is up, with the seconds it took."""
     existing = StackState.load(state_file())
     if existing and all(_alive(c.pid) for c in existing.components.values()):
         return existing
@@ -133,7 +136,7 @@ def stack_up(gpus: int | None = None, deploy: bool = True, ray: bool = True) -> 
     stack_dir().mkdir(parents=True, exist_ok=True)
     state = StackState()
     try:
-        _start_all(state, gpus, deploy, ray)
+        _start_all(state, gpus, deploy, ray, _Progress(progress))
     except BaseException:
         _stop_all(state)
         state_file().unlink(missing_ok=True)
@@ -141,7 +144,23 @@ def stack_up(gpus: int | None = None, deploy: bool = True, ray: bool = True) -> 
     return state
 
 
-def _start_all(state: StackState, gpus: int | None, deploy: bool, ray: bool) -> None:
+class _Progress:
+    """``flowrl stack up``'s lines on stderr: what is starting, then how long it took."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, what: str) -> None:
+        if self.enabled:
+            now = time.monotonic()
+            print(f"  {what:<44} {now - self.last:5.1f} s", file=sys.stderr, flush=True)
+            self.last = now
+
+
+def _start_all(
+    state: StackState, gpus: int | None, deploy: bool, ray: bool, say: _Progress
+) -> None:
     home = stack_dir()
     s3 = {**TEST_CREDENTIALS}
     port = free_port()
@@ -153,6 +172,7 @@ def _start_all(state: StackState, gpus: int | None, deploy: bool, ray: bool) -> 
     request = urllib.request.Request(f"{moto_url}/{BUCKET}", method="PUT")
     urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=10).close()
     s3["AWS_ENDPOINT_URL"] = moto_url
+    say(f"S3 (moto) on {moto_url}, bucket {BUCKET}")
 
     port = free_port()
     mlflow_url = f"http://{HOST}:{port}"
@@ -177,7 +197,9 @@ def _start_all(state: StackState, gpus: int | None, deploy: bool, ray: bool) -> 
     cmd = [str(BIN / "prefect"), "server", "start", "--host", HOST, "--port", str(port)]
     pid = _spawn("prefect", cmd, prefect_env, state, prefect_url)
     wait_for_http(f"{mlflow_url}/health", 120)
+    say(f"MLflow server on {mlflow_url}")
     wait_for_http(f"{prefect_url}/health", 180)
+    say(f"Prefect server on {prefect_url}")
 
     state.env = {
         **s3,
@@ -205,10 +227,12 @@ def _start_all(state: StackState, gpus: int | None, deploy: bool, ray: bool) -> 
         cmd += ["--disable-usage-stats", "--temp-dir", ray_tmp]
         _spawn("ray", cmd, {"RAY_USAGE_STATS_ENABLED": "0"}, state, f"{HOST}:{port}")
         _wait_tcp(port, 120)
+        say(f"Ray head on {HOST}:{port} ({gpus or 0} GPUs)")
         # Ray 2.60 has token auth on by default; drivers joining the head must use it too.
         state.env |= {"FLOWRL_RAY_ADDRESS": f"{HOST}:{port}", "RAY_AUTH_MODE": "token"}
     state.save(state_file())
     _apply_infra(state, deploy)
+    say("work pool, queues, gpu limit" + (", deployments" if deploy else ""))
     pool = _pool_name(state)
     cmd = [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"]
     worker_env = {
@@ -222,6 +246,7 @@ def _start_all(state: StackState, gpus: int | None, deploy: bool, ray: bool) -> 
     time.sleep(1.0)
     if not _alive(pid):
         raise RuntimeError(f"the Prefect worker exited at once; see {stack_dir() / 'worker.log'}")
+    say(f"worker on pool {pool}")
 
 
 def _child_env(state: StackState) -> dict[str, str]:

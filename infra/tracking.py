@@ -231,9 +231,7 @@ def register_policy(
         c.finalize_logged_model(logged.model_id, "FAILED")
         raise
     c.finalize_logged_model(logged.model_id, "READY")
-    now = int(time.time() * 1000)
-    linked = [Metric(k, float(v), now, 0, model_id=logged.model_id) for k, v in metrics.items()]
-    c.log_batch(run_id, metrics=linked)
+    c.log_batch(run_id, metrics=_linked_metrics(run_id, metrics, logged.model_id))
     if lineage.data:
         inputs = [
             DatasetInput(
@@ -266,6 +264,20 @@ def register_policy(
         model_id=logged.model_id,
     )
     return f"models:/{name}/{version.version}"
+
+
+def _linked_metrics(run_id: str, metrics: dict[str, float], model_id: str) -> list[Metric]:
+    """``metrics`` as the logged model's metrics. A value the run already logged is linked by
+    re-logging that very point (same step and timestamp: the store keeps one point, the run's
+    history is unchanged); any other value is logged at step 0."""
+    c = client()
+    now = int(time.time() * 1000)
+    out = []
+    for key, value in metrics.items():
+        same = [m for m in c.get_metric_history(run_id, key) if m.value == float(value)]
+        step, stamp = (same[-1].step, same[-1].timestamp) if same else (0, now)
+        out.append(Metric(key, float(value), stamp, step, model_id=model_id))
+    return out
 
 
 def run_link(experiment_id: str, run_id: str) -> str | None:

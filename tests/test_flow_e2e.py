@@ -153,7 +153,7 @@ def test_prefect_has_the_runs_logs_and_artifacts(trained):
     rows = data if isinstance(data, list) else json.loads(data)
     assert [row["step"] for row in rows] == list(range(0, STEPS + 1))  # 0: before RL
     assert all("reward/mean" in row for row in rows[1:])
-    assert {row["step"] for row in rows if "eval/accuracy" in row} >= {0, 40, STEPS}
+    assert {row["step"] for row in rows if "eval/accuracy" in row} >= {0, 40}
     mine = [a for a in artifacts if a.flow_run_id == flow_run_id]
     by_type = {a.type for a in mine}
     assert {"table", "markdown", "progress"} <= by_type, by_type

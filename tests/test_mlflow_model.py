@@ -72,6 +72,7 @@ def registered(tmp_path_factory: pytest.TempPathFactory):
         data = root / "train.jsonl"
         data.write_text(json.dumps({"messages": MESSAGES}) + "\n")
         run_id = tracking.start_run("mlflow-model", "policy-job", {"seed": 3})
+        tracking.log_metrics(run_id, {"eval/accuracy": 0.25}, step=40)  # as a job's final eval
         lineage = tracking.Lineage(
             job="policy-job",
             kind="sft-train",
@@ -139,6 +140,8 @@ def test_the_version_carries_description_metrics_and_lineage(registered):
     logged = c.get_logged_model(version.source.removeprefix("models:/"))
     assert logged.source_run_id == registered["run_id"]
     assert {m.key: m.value for m in logged.metrics} == {"eval/accuracy": 0.25}
+    history = c.get_metric_history(registered["run_id"], "eval/accuracy")
+    assert [(m.step, m.value) for m in history] == [(40, 0.25)]  # linked, not logged twice
     assert logged.params["name"] == "policy-job"
     inputs = c.get_run(registered["run_id"]).inputs.dataset_inputs
     assert [(i.dataset.name, i.dataset.digest) for i in inputs] == [("train.jsonl", digest[:16])]

@@ -221,6 +221,7 @@ def test_resolve_mlflow_registry_alias_and_version(tmp_path, model_dir, monkeypa
     store = f"sqlite:///{tmp_path}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", store)
     monkeypatch.setenv("FLOWRL_MLFLOW_TRACKING_URI", store)  # what flowrl's registry calls read
+    mlflow.set_tracking_uri(store)  # an earlier test in this process may have set another
     experiment = mlflow.create_experiment("models", artifact_location=(tmp_path / "art").as_uri())
     client = MlflowClient()
     client.create_registered_model("tiny-policy")
