@@ -82,6 +82,18 @@ def _logs(run_id: str) -> list[str]:
     return [log.message for log in found]
 
 
+def _artifacts(run_id: str) -> list:
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as c:
+        return c.read_artifacts(
+            artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[UUID(run_id)]))
+        )
+
+
 def _wait_all(jobs: JobClient, runs: dict[str, str], timeout: float = 480) -> None:
     for name, run_id in runs.items():
         status = jobs.wait(run_id, timeout=timeout)
@@ -146,6 +158,12 @@ def test_every_deployment_runs_on_the_worker(deployed, stack_env, capsys, tmp_pa
 
     rl = _result(storage, "dep-rl")
     assert rl["model_uri"] == "models:/dep-rl/1"
+    # What the Prefect user sees of a run on the worker: its stage lines and its artifacts.
+    lines = _logs(runs["rl-train"])
+    assert any(line.startswith("warm-up: ") for line in lines), lines[-10:]
+    assert any("registered models:/dep-rl/1" in line for line in lines), lines[-10:]
+    kinds = {a.type for a in _artifacts(runs["rl-train"])}
+    assert {"progress", "markdown", "table"} <= kinds, kinds
     lora = _result(storage, "dep-lora")
     step = latest_checkpoint(storage, "jobs/dep-lora/checkpoints")
     assert step == 2

@@ -137,6 +137,7 @@ def test_prefect_has_the_runs_logs_and_artifacts(trained):
         LogFilter,
         LogFilterFlowRunId,
     )
+    from prefect.client.schemas.sorting import LogSort
 
     _, result = trained
     with get_client(sync_client=True) as client:
@@ -146,8 +147,15 @@ def test_prefect_has_the_runs_logs_and_artifacts(trained):
         assert table, "no results table"
         flow_run_id = table[0].flow_run_id
         artifacts = client.read_artifacts()
-        logs = client.read_logs(
-            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), limit=200
+        logs = client.read_logs(  # the newest 200: the run's last lines (hundreds of task runs)
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+            limit=200,
+            sort=LogSort.TIMESTAMP_DESC,
+        )
+        first = client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])),
+            limit=200,
+            sort=LogSort.TIMESTAMP_ASC,
         )
     data = table[0].data
     rows = data if isinstance(data, list) else json.loads(data)
@@ -159,9 +167,9 @@ def test_prefect_has_the_runs_logs_and_artifacts(trained):
     assert {"table", "markdown", "progress"} <= by_type, by_type
     link = next(a for a in mine if a.key == "arithmetic-e2e-mlflow")
     assert result.mlflow_run_id in str(link.data)
-    summary = next(a for a in mine if a.type == "markdown")
+    summary = next(a for a in mine if a.key == "arithmetic-e2e-summary")
     assert result.model_uri in str(summary.data)
     assert next(a for a in mine if a.type == "progress").data == 100.0
     messages = [log.message for log in logs]
     assert any("registered " + result.model_uri in m for m in messages), messages[-20:]
-    assert any(m.startswith("warm-up") for m in messages), messages[-20:]
+    assert any(log.message.startswith("warm-up") for log in first), [g.message for g in first][:20]

@@ -213,6 +213,10 @@ def test_the_installed_wheel_runs_infra_up_and_a_job_from_a_user_folder(
     done = run("train", "job.yaml", "--set", "name=user-job")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "models:/user-job/1" in done.stdout
+    # The README's example on a pool with no GPUs: refused at submission, naming both numbers.
+    refused = run("jobs", "submit", "rl-train", "arithmetic", "--set", "resources.gpus=1")
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "resources.gpus=1 but the pool has 0 GPU" in refused.stderr
     shipped = run("train", "arithmetic", "--set", "schedule.steps=0")  # found by name
     assert "config file not found" not in shipped.stderr
     assert "schedule.steps" in shipped.stderr  # ... and validated: steps must be >= 1
