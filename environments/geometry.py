@@ -42,23 +42,42 @@ _MAX_REDRAWS = 64
 # --- Geometry3K layout ------------------------------------------------------------------------
 
 
-def image_bytes(cell: Any, base: str | None = None) -> bytes:
-    """One image cell as encoded bytes: raw bytes, an HF-datasets image struct
-    ``{"bytes": ..., "path": ...}`` (bytes first), or a path (relative to ``base``)."""
+def image_bytes(cell: Any) -> bytes:
+    """One image cell of a row as encoded bytes: raw bytes or an HF-datasets image struct
+    holding its bytes. A row arrives at run time (from a data stream, over HTTP), so a path
+    or URL in it is refused, never opened: files are read only by ``load_geometry3k``."""
     if isinstance(cell, bytes | bytearray):
         return bytes(cell)
+    if isinstance(cell, dict) and isinstance(cell.get("bytes"), bytes | bytearray):
+        if cell["bytes"]:
+            return bytes(cell["bytes"])
+    raise ValueError(
+        "an image in a row must be bytes (paths and URLs in rows are never opened); "
+        f"got {type(cell).__name__}"
+    )
+
+
+def file_image_bytes(cell: Any, base: str) -> bytes:
+    """One image cell of a Geometry3K data file: its bytes, or a path relative to the file's
+    folder ``base``, confined to it: no absolute path, no ``..``, no URL scheme."""
     if isinstance(cell, dict):
         if cell.get("bytes"):
             return bytes(cell["bytes"])
         cell = cell.get("path")
-    if isinstance(cell, str) and cell:
-        relative = base is not None and "://" not in cell and not cell.startswith("/")
-        with fsspec.open(f"{base}/{cell}" if relative else cell, "rb") as f:
-            return f.read()
-    raise ValueError(f"an image cell holds neither bytes nor a path: {type(cell).__name__}")
+    if isinstance(cell, bytes | bytearray):
+        return bytes(cell)
+    if not isinstance(cell, str) or not cell:
+        raise ValueError(f"an image cell holds neither bytes nor a path: {type(cell).__name__}")
+    parts = cell.replace("\\", "/").split("/")
+    if ":" in cell or cell.startswith(("/", "~")) or ".." in parts or "\x00" in cell:
+        raise ValueError(
+            f"image path {cell!r}: only a relative path inside the data file's folder is read"
+        )
+    with fsspec.open(f"{base.rstrip('/')}/{'/'.join(p for p in parts if p not in ('', '.'))}") as f:
+        return f.read()
 
 
-def geometry3k_row(raw: dict[str, Any], base: str | None = None) -> dict[str, Any]:
+def geometry3k_row(raw: dict[str, Any], base: str = ".") -> dict[str, Any]:
     """A raw Geometry3K-layout record as a row: ``images`` (a list of image structs) or
     ``image`` (one struct) → ``images`` as bytes; ``problem``; ``choices``; ``answer``."""
     cells = raw["images"] if raw.get("images") is not None else raw.get("image")
@@ -66,7 +85,7 @@ def geometry3k_row(raw: dict[str, Any], base: str | None = None) -> dict[str, An
     if "problem" not in raw or raw.get("answer") is None:
         raise ValueError("a Geometry3K row needs 'problem' and 'answer'")
     return {
-        "images": [image_bytes(cell, base) for cell in cells],
+        "images": [file_image_bytes(cell, base) for cell in cells],
         "problem": str(raw["problem"]),
         "choices": [str(c) for c in raw.get("choices") or []],
         "answer": str(raw["answer"]).strip(),

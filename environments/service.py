@@ -74,6 +74,8 @@ def create_app(max_episodes: int = 100_000) -> FastAPI:
             env = make_task(req.env.name, req.env.params).make_env()
             observation = env.reset(**from_wire(req.row))
             images = shown_images(env)
+        except (ValueError, TypeError) as exc:  # the row or params are wrong: the caller's error
+            raise HTTPException(400, f"reset refused: {exc}") from None
         except Exception as exc:  # the episode fails, not the service
             raise HTTPException(500, f"reset failed: {exc!r}") from exc
         episodes[(req.job, req.episode_id)] = env

@@ -96,6 +96,41 @@ def test_loader_reads_image_paths_relative_to_the_file_and_names_bad_rows(tmp_pa
         load_geometry3k(str(tmp_path / "bad.jsonl"))
 
 
+@pytest.mark.parametrize(
+    "cell",
+    [
+        "../secret.png",
+        "figs/../../secret.png",
+        "/etc/passwd",
+        "~/secret.png",
+        "file:///etc/passwd",
+        "s3://other-bucket/secret.png",
+        "http://127.0.0.1:9/secret.png",
+        {"bytes": None, "path": "../secret.png"},
+    ],
+)
+def test_a_path_cell_is_confined_to_the_data_files_folder(tmp_path, cell):
+    """Path cells are read relative to the data file's own folder, and only there."""
+    (tmp_path / "secret.png").write_bytes(png("red"))  # beside, not inside, the data folder
+    data = tmp_path / "data"
+    data.mkdir()
+    row = {"image": cell, "problem": "p", "answer": "1"}
+    (data / "g.jsonl").write_text(json.dumps(row) + "\n")
+    with pytest.raises(ValueError, match=r"g.jsonl.*row 0.*only a relative path inside"):
+        load_geometry3k(str(data / "g.jsonl"))
+
+
+@pytest.mark.parametrize(
+    "image", ["/etc/passwd", "file:///etc/passwd", {"bytes": None, "path": "/etc/passwd"}, 3]
+)
+def test_an_episode_never_opens_a_path_or_url_from_its_row(image):
+    with pytest.raises(ValueError, match="must be bytes"):
+        GeometryEnv().reset(problem="p", answer="1", images=[image])
+    env = GeometryEnv()
+    env.reset(problem="p", answer="1", images=[png("blue"), {"bytes": png("red"), "path": None}])
+    assert env.get_images() == [png("blue"), png("red")]
+
+
 def test_task_reads_geometry3k_from_s3_with_a_disjoint_eval_split(moto_s3):
     task = GeometryTask(max_length=12, image_size=32, eval_size=10, seed=3)
     rows = task.eval_set() + task.train_source().next_batch(30)

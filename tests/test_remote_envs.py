@@ -131,7 +131,32 @@ def test_unknown_environment_is_refused_as_data_not_code(env_service):
     url, _ = env_service
     body = {"job": "j", "episode_id": "e", "env": {"name": "__import__('os')"}, "row": {}}
     answer = httpx.post(f"{url}/reset", json=body)
-    assert answer.status_code == 500 and "unknown environment" in answer.text
+    assert answer.status_code == 400 and "unknown environment" in answer.text
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "/etc/passwd",
+        "../../../../etc/passwd",
+        "/proc/self/environ",
+        "file:///etc/passwd",
+        "http://127.0.0.1:9/secret",
+        {"bytes": None, "path": "/etc/passwd"},
+    ],
+)
+def test_a_row_naming_a_file_is_refused_and_nothing_is_read(env_service, image):
+    """The service never opens a path or URL that arrives in a row: a clean 400 naming why,
+    and no byte of the file in the answer."""
+    import httpx
+
+    url, _ = env_service
+    row = {"problem": "p", "answer": "1", "images": [image]}
+    body = {"job": "j", "episode_id": "files", "env": {"name": "geometry"}, "row": row}
+    answer = httpx.post(f"{url}/reset", json=body)
+    assert answer.status_code == 400, answer.text
+    assert "must be bytes" in answer.text
+    assert "root:" not in answer.text and "AWS_" not in answer.text
 
 
 def test_killing_the_service_mid_run_fails_episodes_cleanly():
