@@ -320,8 +320,13 @@ def _fill_once(slot: Path, fill: Any) -> Path:
     try:
         fill(tmp)
         (tmp / _COMPLETE_MARKER).touch()
-        shutil.rmtree(slot, ignore_errors=True)
-        tmp.rename(slot)
+        try:
+            tmp.rename(slot)  # atomic; fails if another process's complete copy is there
+        except OSError:
+            if (slot / _COMPLETE_MARKER).exists():
+                return slot  # another job filled it first, and may be reading it: keep theirs
+            shutil.rmtree(slot, ignore_errors=True)  # an incomplete leftover
+            tmp.rename(slot)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return slot

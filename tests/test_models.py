@@ -249,3 +249,23 @@ def test_resolve_mlflow_registry_alias_and_version(tmp_path, model_dir, monkeypa
     assert torch.equal(logits_of(moved), logits_of(other_dir))
     with pytest.raises(FileNotFoundError, match="models:/tiny-policy@nobody"):
         resolve_model_uri("models:/tiny-policy@nobody", cache)
+
+
+def test_a_cache_fill_never_replaces_a_complete_copy_another_job_may_be_reading(tmp_path):
+    """Two jobs resolving the same model at once: the second to finish keeps the first's
+    folder (which the first job is loading from) and drops its own copy."""
+    from flowrl.backends.models import _COMPLETE_MARKER, _fill_once
+
+    slot = tmp_path / "slot"
+
+    def racing(target):
+        theirs = tmp_path / "theirs"  # another process completes the slot meanwhile
+        theirs.mkdir()
+        (theirs / "weights").write_text("theirs")
+        (theirs / _COMPLETE_MARKER).touch()
+        theirs.rename(slot)
+        (target / "weights").write_text("ours")
+
+    assert _fill_once(slot, racing) == slot
+    assert (slot / "weights").read_text() == "theirs"
+    assert [p.name for p in tmp_path.iterdir()] == ["slot"]  # our temporary copy is gone
