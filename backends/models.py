@@ -216,11 +216,8 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str) -> None:
     tokenizer.save_pretrained(out_dir)
     path = Path(out_dir) / "tokenizer_config.json"
     config = json.loads(path.read_text())
-    extra = config.pop("extra_special_tokens", None)
-    if isinstance(extra, list):
-        config["additional_special_tokens"] = extra
-    elif extra is not None:
-        config["extra_special_tokens"] = extra
+    if isinstance(config.get("extra_special_tokens"), list):
+        config["additional_special_tokens"] = config.pop("extra_special_tokens")
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     template = Path(out_dir) / "chat_template.jinja"
     if template.is_file():

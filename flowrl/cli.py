@@ -220,13 +220,12 @@ def _stack(args) -> int:
 def _submit_parameters(args) -> dict:
     import yaml
 
-    from flowrl.infra.configfile import merge, parse_overrides, resolve_config_path
+    from flowrl.infra.configfile import read_mapping
 
     params = {k: v for k, v in (p.partition("=")[::2] for p in args.param)}
     params = {k: yaml.safe_load(v) for k, v in params.items()}
     if args.config or args.overrides:
-        config = yaml.safe_load(resolve_config_path(args.config).read_text()) if args.config else {}
-        params["config"] = merge(config or {}, parse_overrides(args.overrides))
+        params["config"] = read_mapping(args.config, args.overrides)
     return params
 
 

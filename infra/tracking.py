@@ -30,9 +30,13 @@ def artifact_root() -> str | None:
     (file or database) store, never the working directory of whichever process logs first; a
     tracking server decides for itself (its ``--artifacts-destination``)."""
     settings = get_settings()
-    if settings.tracking_uri.startswith(("http://", "https://", "databricks")):
+    if _is_server(settings.tracking_uri) or settings.tracking_uri.startswith("databricks"):
         return None
     return (settings.resolved_home / "mlartifacts").as_uri()
+
+
+def _is_server(tracking_uri: str) -> bool:
+    return tracking_uri.startswith(("http://", "https://"))
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
@@ -283,7 +287,7 @@ def _linked_metrics(run_id: str, metrics: dict[str, float], model_id: str) -> li
 def run_link(experiment_id: str, run_id: str) -> str | None:
     """The MLflow UI page of a run, when the tracking store is a server; None otherwise."""
     uri = get_settings().tracking_uri
-    if not uri.startswith(("http://", "https://")):
+    if not _is_server(uri):
         return None
     return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
 
