@@ -69,6 +69,22 @@ def test_a_job_larger_than_the_pool_is_refused_with_the_numbers():
         check_admission(3, 2)
 
 
+async def _forget_scheduler(spec) -> None:
+    """Remove the declaration's pool (with its queues) and gpu limit from the API, if there."""
+    from prefect import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    async with get_client() as c:
+        for delete, name in (
+            (c.delete_work_pool, spec.pool.name),
+            (c.delete_global_concurrency_limit_by_name, spec.gpu_limit),
+        ):
+            try:
+                await delete(name)
+            except ObjectNotFound:
+                pass
+
+
 def test_infra_up_is_idempotent_and_a_too_big_job_fails_at_once(prefect_api, monkeypatch):
     from prefect import get_client
 
@@ -77,7 +93,8 @@ def test_infra_up_is_idempotent_and_a_too_big_job_fails_at_once(prefect_api, mon
 
     monkeypatch.setenv("FLOWRL_POOL_GPUS", "3")
     spec = load_scheduler()
-    first = asyncio.run(apply_scheduler(spec))
+    asyncio.run(_forget_scheduler(spec))  # an earlier test (the wheel's `infra up`) may have
+    first = asyncio.run(apply_scheduler(spec))  # applied it to this session's API
     second = asyncio.run(apply_scheduler(spec))
     assert all("created" in line for line in first)
     assert all("updated" in line for line in second)
