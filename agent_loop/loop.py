@@ -48,12 +48,13 @@ from flowrl.agent_loop.types import (
     StopReason,
     Trajectory,
 )
-from flowrl.environments.types import Environment, shown_images
-
-OBSERVATION_ROLE_KEY = "observation_role"
-"""``StepResult.info`` key naming the chat role of the observation (see module docstring)."""
-OBSERVATION_ROLES = ("user", "tool")
-"""Roles an environment may give its observation."""
+from flowrl.environments.plugin import first_user_message
+from flowrl.environments.types import (
+    OBSERVATION_ROLE_KEY,
+    OBSERVATION_ROLES,
+    Environment,
+    shown_images,
+)
 
 
 @dataclass(frozen=True)
@@ -123,7 +124,7 @@ def run_episodes(
 def _start(episode: _Episode, row: dict[str, Any], chat: ChatFormat, limits: LoopLimits) -> None:
     """PENDING: reset the env and render the opening messages."""
     try:
-        user_message = episode.env.reset(**row)
+        user_message = first_user_message(episode.env, episode.env.reset(**row))
         system_prompt = episode.env.get_system_prompt()
         images = shown_images(episode.env)
     except Exception as exc:  # any env failure ends only this episode

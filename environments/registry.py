@@ -1,35 +1,202 @@
-"""Environments by name: each name maps to the task config that builds its envs and data."""
+"""Environments by name: one loading path for flowrl's own environments and the user's.
+
+``env.name`` takes three forms:
+
+- ``package.module:Attribute`` — imported from the job's Python path;
+- the name of an entry point in the group ``flowrl.environments`` of any installed package
+  (flowrl's built-ins ``arithmetic``, ``tool_math``, ``gomoku`` and ``geometry`` are declared
+  this way in flowrl's ``pyproject.toml``);
+- nothing else: there is no hard-coded table.
+
+What a name points to is either
+
+- an **environment** — a class (or factory) following the environment API
+  (``environments.types.Environment``: ``reset``, ``step``, ``get_system_prompt``,
+  ``get_initial_user_message``, optional ``get_images`` and ``demonstration``). ``env.params``
+  are its constructor's keyword arguments; its rows come from ``env.data`` files or are
+  generated as ``{"seed": n}`` (``environments.plugin.PluginTask``); or
+- a **task config** — a pydantic model with ``make_env``, ``train_source``, ``eval_set`` and
+  ``sft_example`` (``environments.types.TaskConfig``), validated from ``env.params``: the form of
+  the built-ins, which generate their own data.
+"""
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib.metadata import entry_points
 from typing import Any
 
 from pydantic import BaseModel
 
-from flowrl.environments.arithmetic import ArithmeticTask
-from flowrl.environments.geometry import GeometryTask
-from flowrl.environments.gomoku import GomokuTask
-from flowrl.environments.tool_math import ToolMathTask
-from flowrl.environments.types import TaskConfig
+from flowrl.environments.types import Environment, TaskConfig
 
-ENVIRONMENTS: dict[str, type[BaseModel]] = {
-    "arithmetic": ArithmeticTask,
-    "tool_math": ToolMathTask,
-    "gomoku": GomokuTask,
-    "geometry": GeometryTask,
-}
-"""Name → task-config class (``environments.types.TaskConfig``)."""
+ENTRY_POINT_GROUP = "flowrl.environments"
+"""Installed packages declare environments in this entry-point group."""
+CONTRACT = ("reset", "step", "get_system_prompt", "get_initial_user_message")
+"""The methods every environment has (``environments.types.Environment``)."""
+TASK_METHODS = ("make_env", "train_source", "eval_set", "sft_example")
+_DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
-def make_task(name: str, params: dict[str, Any] | None = None) -> TaskConfig:
-    """Validate ``params`` into the task config registered as ``name``.
+class EnvironmentLoadError(ValueError):
+    """An environment name that cannot be loaded or used; the message names the cause."""
 
-    Raises ``ValueError`` listing the known names for an unknown ``name``, and pydantic's
-    ``ValidationError`` (naming the field) for bad ``params``.
+
+@dataclass(frozen=True)
+class Loaded:
+    """What an environment name resolved to."""
+
+    name: str
+    target: Any
+    """The class or factory the name points to."""
+    is_task_config: bool
+    """True for a task config (pydantic model building envs and data), False for an env."""
+
+
+def installed_names() -> list[str]:
+    """Names of every environment declared by an installed package (``flowrl.environments``)."""
+    return sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+@lru_cache(maxsize=256)
+def load(name: str) -> Loaded:
+    """Resolve ``name`` (``module:Attribute`` or an installed entry point's name).
+
+    Raises ``EnvironmentLoadError`` naming the cause: the import error, the missing attribute, an
+    unknown name (listing the installed ones), or an object that is neither a class nor a
+    factory, or a class missing a method of the environment API.
     """
+    if not isinstance(name, str) or not name.strip():
+        raise EnvironmentLoadError(f"environment name must be a non-empty string, got {name!r}")
+    if ":" in name:
+        target = _import_attribute(name)
+    else:
+        matches = list(entry_points(group=ENTRY_POINT_GROUP, name=name))
+        if not matches:
+            known = ", ".join(installed_names()) or "none"
+            raise EnvironmentLoadError(
+                f"unknown environment {name!r}: not an installed environment (entry points "
+                f"{ENTRY_POINT_GROUP!r}: {known}) and not of the form 'package.module:Class'"
+            )
+        try:
+            target = matches[0].load()
+        except Exception as exc:
+            raise EnvironmentLoadError(
+                f"environment {name!r}: its entry point {matches[0].value!r} does not load: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+    return Loaded(name, target, _check_target(name, target))
+
+
+def _import_attribute(name: str) -> Any:
+    module_name, _, attribute = name.partition(":")
+    if not _DOTTED.fullmatch(module_name) or not _DOTTED.fullmatch(attribute):
+        raise EnvironmentLoadError(
+            f"environment {name!r}: expected 'package.module:Attribute' (dotted Python names)"
+        )
     try:
-        task_cls = ENVIRONMENTS[name]
-    except KeyError:
-        known = ", ".join(sorted(ENVIRONMENTS))
-        raise ValueError(f"unknown environment {name!r}; known environments: {known}") from None
-    return task_cls.model_validate(params or {})
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ModuleNotFoundError, or the module's own import-time error
+        raise EnvironmentLoadError(
+            f"environment {name!r}: cannot import module {module_name!r}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    target: Any = module
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise EnvironmentLoadError(
+                f"environment {name!r}: module {module_name!r} has no attribute {attribute!r}"
+            ) from None
+    return target
+
+
+def _check_target(name: str, target: Any) -> bool:
+    """True for a task config, False for an environment; raises for anything else."""
+    if inspect.isclass(target) and issubclass(target, BaseModel):
+        missing = [m for m in TASK_METHODS if not callable(getattr(target, m, None))]
+        if missing:
+            raise EnvironmentLoadError(
+                f"environment {name!r}: {target.__name__} is a pydantic model but not a task "
+                f"config (missing {', '.join(missing)})"
+            )
+        return True
+    if not callable(target):
+        raise EnvironmentLoadError(
+            f"environment {name!r}: {type(target).__name__} object is not a class or factory"
+        )
+    if inspect.isclass(target):
+        _check_contract(name, target)
+    return False
+
+
+def _check_contract(name: str, obj: Any) -> None:
+    missing = [m for m in CONTRACT if not callable(getattr(obj, m, None))]
+    if missing:
+        what = obj.__name__ if inspect.isclass(obj) else type(obj).__name__
+        raise EnvironmentLoadError(
+            f"environment {name!r}: {what} lacks method(s) {', '.join(missing)} of the "
+            f"environment API ({', '.join(CONTRACT)})"
+        )
+
+
+def make_env(name: str, params: dict[str, Any] | None = None) -> Environment:
+    """A fresh environment for one episode: what Ray env actors and the HTTP service build.
+    ``params`` go to an environment's constructor, or validate a task config's fields."""
+    loaded = load(name)
+    if loaded.is_task_config:
+        return loaded.target.model_validate(params or {}).make_env()
+    return construct(loaded, params or {})
+
+
+def construct(loaded: Loaded, params: dict[str, Any]) -> Environment:
+    """``loaded.target(**params)``, checked: an unknown parameter or a constructor error is
+    an ``EnvironmentLoadError`` naming it, and the result must have the environment API."""
+    try:
+        inspect.signature(loaded.target).bind(**params)
+    except TypeError as exc:
+        raise EnvironmentLoadError(f"environment {loaded.name!r}: bad env.params: {exc}") from None
+    except ValueError:
+        pass  # no signature to inspect (a builtin): calling it tells
+    try:
+        env = loaded.target(**params)
+    except Exception as exc:
+        raise EnvironmentLoadError(
+            f"environment {loaded.name!r}: constructing it with env.params {params!r} raised "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    _check_contract(loaded.name, env)
+    return env
+
+
+def make_task(
+    name: str,
+    params: dict[str, Any] | None = None,
+    *,
+    data: Any = None,
+    eval_size: int = 200,
+    seed: int = 0,
+) -> TaskConfig:
+    """The task config behind ``name``: the stages (rollout, eval, warm-up) use only it.
+
+    A task config is validated from ``params`` (pydantic's ``ValidationError`` names a bad
+    field); an environment is wrapped in a ``PluginTask`` with its rows from ``data``
+    (``train``/``eval`` files) or generated seeds (``eval_size`` held out; the training stream's
+    start derives from the job's ``seed``).
+    """
+    loaded = load(name)
+    if loaded.is_task_config:
+        if data is not None and (data.train or data.eval):
+            raise EnvironmentLoadError(
+                f"environment {name!r} generates its own data (a task config): env.data is for "
+                "environments given as a class; use env.params"
+            )
+        return loaded.target.model_validate(params or {})
+    from flowrl.environments.plugin import PluginTask
+
+    return PluginTask(loaded, dict(params or {}), data, eval_size, seed)

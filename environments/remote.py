@@ -18,7 +18,8 @@ from typing import Any, Literal
 import httpx
 import ray
 
-from flowrl.environments.registry import make_task
+from flowrl.environments.plugin import first_user_message
+from flowrl.environments.registry import make_env
 from flowrl.environments.types import Environment, StepResult, from_wire, shown_images, to_wire
 
 EnvMode = Literal["local", "ray", "http"]
@@ -99,8 +100,8 @@ class EnvActor:
         self, episode_id: str, spec: dict[str, Any], row: dict[str, Any]
     ) -> tuple[str, str, list[bytes]]:
         """(first observation, system prompt, images shown with it)."""
-        env = make_task(spec["name"], spec["params"]).make_env()
-        observation = env.reset(**row)
+        env = make_env(spec["name"], spec["params"])
+        observation = first_user_message(env, env.reset(**row))
         self.episodes[episode_id] = env
         return observation, env.get_system_prompt(), shown_images(env)
 
@@ -186,7 +187,6 @@ class EnvFactory:
         self.spec = {"name": name, "params": params}
         self.mode, self.job = mode, job
         self._made: list[Any] = []
-        self._task = make_task(name, params) if mode == "local" else None
         self._client = (
             httpx.Client(base_url=service_url, timeout=timeout_s) if mode == "http" else None
         )
@@ -194,7 +194,7 @@ class EnvFactory:
 
     def __call__(self, episode_id: str) -> Environment:
         if self.mode == "local":
-            return self._task.make_env()
+            return make_env(self.spec["name"], self.spec["params"])
         if self.mode == "http":
             env: Any = HTTPEnv(episode_id, client=self._client, job=self.job, spec=self.spec)
         else:

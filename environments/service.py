@@ -1,6 +1,7 @@
 """Environments as a service: an HTTP API (FastAPI) hosting episodes keyed by job and episode id.
 
-    python -m flowrl.environments.service --host 127.0.0.1 --port 8765
+    python -m flowrl.environments.service --host 127.0.0.1 --port 8765 \
+        [--env tool_math --env mypkg.envs:MyEnv ...]
 
 Endpoints (JSON):
 - ``POST /reset``  {job, episode_id, env: {name, params}, row} → {observation, system_prompt,
@@ -14,8 +15,12 @@ Bytes (images in rows, images shown with an observation) travel as ``{"$base64":
 - ``GET /health``
 
 Environments are built from the registry by name (``environments.registry``): a client sends
-data (a name, parameters and a data row), never code. An environment that raises answers 500
-with the error text, so the client's episode fails and the others go on.
+data (a name, parameters and a data row), never code. The service serves the names it was
+started with (``--env``, repeatable: an installed entry point's name or ``package.module:Class``
+importable here), or, with none, every installed environment (entry points
+``flowrl.environments``); any other name is refused with 403 before anything is imported.
+An environment that raises answers 500 with the error text, so the client's episode fails and
+the others go on.
 """
 
 from __future__ import annotations
@@ -28,7 +33,8 @@ from typing import Any
 from fastapi import FastAPI, HTTPException
 from pydantic import BaseModel, Field
 
-from flowrl.environments.registry import make_task
+from flowrl.environments.plugin import first_user_message
+from flowrl.environments.registry import installed_names, load, make_env
 from flowrl.environments.types import Environment, from_wire, shown_images, to_wire
 
 
@@ -50,8 +56,13 @@ class StepRequest(BaseModel):
     action: str
 
 
-def create_app(max_episodes: int = 100_000) -> FastAPI:
-    """The service; episodes live in this process's memory until done or deleted."""
+def create_app(max_episodes: int = 100_000, serves: list[str] | None = None) -> FastAPI:
+    """The service; episodes live in this process's memory until done or deleted. ``serves``:
+    the environment names it builds (default: every installed one); each is loaded now, so a
+    name that does not load stops the service at start, not at a job's first episode."""
+    served = sorted(set(serves)) if serves else installed_names()
+    for name in served:
+        load(name)
     app = FastAPI(title="flowrl environments")
     episodes: dict[tuple[str, str], Environment] = {}
     counters: Counter[str] = Counter()
@@ -70,9 +81,13 @@ def create_app(max_episodes: int = 100_000) -> FastAPI:
     def reset(req: ResetRequest) -> dict[str, Any]:
         if len(episodes) >= max_episodes:
             raise HTTPException(503, f"too many live episodes ({max_episodes})")
+        if req.env.name not in served:
+            raise HTTPException(
+                403, f"environment {req.env.name!r} is not served here; served: {served}"
+            )
         try:
-            env = make_task(req.env.name, req.env.params).make_env()
-            observation = env.reset(**from_wire(req.row))
+            env = make_env(req.env.name, req.env.params)
+            observation = first_user_message(env, env.reset(**from_wire(req.row)))
             images = shown_images(env)
         except (ValueError, TypeError) as exc:  # the row or params are wrong: the caller's error
             raise HTTPException(400, f"reset refused: {exc}") from None
@@ -117,8 +132,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Serve flowrl environments over HTTP.")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        help="an environment to serve (entry point name or package.module:Class); repeatable. "
+        "Default: every installed environment.",
+    )
     args = parser.parse_args(argv)
-    uvicorn.run(create_app(), host=args.host, port=args.port, log_level="warning")
+    app = create_app(serves=args.env)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

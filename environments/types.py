@@ -26,6 +26,12 @@ class StepResult:
     """Free-form diagnostics (e.g. ``{"correct": True}``); must be JSON-serialisable."""
 
 
+OBSERVATION_ROLE_KEY = "observation_role"
+"""``StepResult.info`` key naming the role of the observation's message (``"user"`` when absent,
+``"tool"`` for a tool's answer)."""
+OBSERVATION_ROLES = ("user", "tool")
+
+
 @runtime_checkable
 class Environment(Protocol):
     """The environment API of OpenTinker: text in, text out.

@@ -46,7 +46,10 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
         # Every stage is submitted to the task runner: each runs as a Ray task on the cluster.
         base_uri = prepare_model.submit(config, job.ctx).result()
         warm = warmup.submit(config, job.ctx, base_uri).result()
-        logger.info("warm-up: %s", warm)
+        if warm.skipped:
+            logger.info("warm-up skipped: %s", warm.skipped)
+        else:
+            logger.info("warm-up: %s", warm)
         policy = job.start_policy(warm.model_uri)
         resumed = restore.submit(job.ctx, policy).result()
         start, cursor, acc_start = resume_point(resumed)

@@ -111,11 +111,27 @@ def episode_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, fl
     return {f"{prefix}/{k}": v / (counts.get(k) or n) for k, v in sorted(sums.items())}
 
 
-def episode_accuracy(trajectories: list[Trajectory]) -> float:
-    """Fraction of episodes judged correct (``info["correct"]``, else a positive return)."""
+def episode_succeeded(rule: str, reward: float, info: dict[str, Any]) -> bool:
+    """Whether an episode with return ``reward`` and final ``info`` is a success under ``rule``
+    (``env.success``): ``auto`` (``info["correct"]`` when reported, else ``reward > 0``),
+    ``info.<key>`` (truthy), ``reward>=X`` or ``reward>X``."""
+    rule = rule.replace(" ", "")
+    if rule == "auto":
+        return bool(info.get("correct", reward > 0))
+    if rule.startswith("info."):
+        return bool(info.get(rule[len("info.") :], False))
+    if rule.startswith("reward>="):
+        return reward >= float(rule[len("reward>=") :])
+    if rule.startswith("reward>"):
+        return reward > float(rule[len("reward>") :])
+    raise ValueError(f"unknown success rule {rule!r}")
+
+
+def episode_accuracy(trajectories: list[Trajectory], success: str = "auto") -> float:
+    """Fraction of episodes that succeeded under the ``success`` rule (``episode_succeeded``)."""
     if not trajectories:
         return 0.0
-    ok = [bool(t.info.get("correct", t.reward > 0)) for t in trajectories]
+    ok = [episode_succeeded(success, t.reward, t.info) for t in trajectories]
     return sum(ok) / len(ok)
 
 
@@ -125,6 +141,7 @@ def evaluate_policy(
     chat: HFChatFormat,
     limits: LoopLimits,
     make_env: Callable[[str], Environment] | None = None,
+    success: str = "auto",
 ) -> EvalResult:
     """Episodes over the environment's fixed held-out set (in-process envs by default);
     ``limits`` are greedy ones for an evaluation (``rollout.limits(greedy=True)``)."""
@@ -134,7 +151,7 @@ def evaluate_policy(
     )
     ok = [t for t in trajectories if not t.failed]
     return EvalResult(
-        accuracy=episode_accuracy(ok) * len(ok) / max(len(trajectories), 1),
+        accuracy=episode_accuracy(ok, success) * len(ok) / max(len(trajectories), 1),
         reward_mean=sum(t.reward for t in ok) / max(len(ok), 1),
         num_episodes=len(trajectories),
         num_failed=len(trajectories) - len(ok),

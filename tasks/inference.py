@@ -11,19 +11,25 @@ from prefect.cache_policies import NO_CACHE
 from flowrl.agent_loop.types import Trajectory
 from flowrl.backends.actors import PolicyRef
 from flowrl.infra.storage import Storage
-from flowrl.tasks.common import chat_format, episode_accuracy, episode_metrics, run_group_episodes
+from flowrl.tasks.common import (
+    chat_format,
+    episode_accuracy,
+    episode_metrics,
+    episode_succeeded,
+    run_group_episodes,
+)
 from flowrl.tasks.jobs import InferenceJobConfig
 from flowrl.tasks.types import InferenceOutput, JobContext
 
 
-def _episode_line(t: Trajectory) -> str:
+def _episode_line(t: Trajectory, success: str) -> str:
     return json.dumps(
         {
             "episode_id": t.episode_id,
             "group_id": t.group_id,
             "messages": t.messages,
             "reward": t.reward,
-            "correct": bool(t.info.get("correct", t.reward > 0)),
+            "correct": episode_succeeded(success, t.reward, t.info),
             "failed": t.failed,
             "sampled_tokens": t.num_sampled_tokens,
             "stop_reason": t.stop_reason.value if t.stop_reason else None,
@@ -37,7 +43,7 @@ def infer(
 ) -> InferenceOutput:
     """Run the episodes, write them as JSONL (one episode per line: messages, reward, correct,
     tokens, stop reason); returns where the file is and the metrics."""
-    task_cfg = config.env.task()
+    task_cfg = config.env.task(config.seed)
     if config.data == "eval":
         rows = task_cfg.eval_set()[: config.num_prompts]
     else:
@@ -49,9 +55,10 @@ def infer(
     )
     rel = f"{ctx.prefix}/inference/trajectories.jsonl"
     storage = Storage(ctx.storage_url)
-    storage.write_bytes(rel, "".join(_episode_line(t) + "\n" for t in trajectories).encode())
+    lines = "".join(_episode_line(t, config.env.success) + "\n" for t in trajectories)
+    storage.write_bytes(rel, lines.encode())
     ok = [t for t in trajectories if not t.failed]
-    accuracy = episode_accuracy(ok) * len(ok) / max(len(trajectories), 1)
+    accuracy = episode_accuracy(ok, config.env.success) * len(ok) / max(len(trajectories), 1)
     reward_mean = sum(t.reward for t in ok) / max(len(ok), 1)
     metrics = {
         "inference/accuracy": accuracy,

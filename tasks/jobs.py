@@ -10,9 +10,16 @@ the Prefect UI shows it as a form. Sections carry their own resolvers (``rollout
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
 from flowrl.agent_loop.loop import LoopLimits
 from flowrl.backends.actors import ActorResources, WorkerPlan
@@ -25,23 +32,65 @@ from flowrl.backends.algorithms import (
 from flowrl.backends.models import TinyModelSpec
 from flowrl.backends.types import LoraSettings
 from flowrl.environments.data import ROW_FORMATS
-from flowrl.environments.registry import ENVIRONMENTS, make_task
+from flowrl.environments.plugin import check_environment
+from flowrl.environments.registry import load, make_task
 from flowrl.environments.types import TaskConfig
 from flowrl.infra.configfile import Config, load_config
 
 JOB_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 
 
+def _row_file(uri: str) -> str:
+    if not uri.split("?", 1)[0].lower().endswith(ROW_FORMATS):
+        raise ValueError(f"{uri!r}: expected one of {', '.join(ROW_FORMATS)}")
+    return uri
+
+
+RowFile = Annotated[str, AfterValidator(_row_file)]
+"""A row file flowrl reads (JSONL, JSON or parquet by extension), local or any fsspec URL."""
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
+class EnvDataSection(_Section):
+    """Rows of an environment given as a class (each row's fields go to ``reset(**row)``)."""
+
+    train: RowFile | None = Field(
+        default=None, description="Training rows: JSONL, JSON or parquet; local path or s3://."
+    )
+    eval: RowFile | None = Field(default=None, description="Held-out rows, same formats.")
+
+
+SUCCESS_RULE = r"^(auto|info\.[A-Za-z_][\w.-]*|reward\s*(>=|>)\s*-?\d+(\.\d+)?)$"
+
+
 class EnvSection(_Section):
     name: str = Field(
-        default="arithmetic", description="Environment name (flowrl.environments.registry)."
+        default="arithmetic",
+        description="An installed environment's name (entry point group flowrl.environments: "
+        "arithmetic, tool_math, gomoku, geometry, or a package's own) or package.module:Class.",
     )
     params: dict[str, Any] = Field(
-        default_factory=dict, description="Parameters of the environment's task config."
+        default_factory=dict,
+        description="The environment class's constructor arguments (a built-in's task fields).",
+    )
+    data: EnvDataSection = Field(
+        default_factory=EnvDataSection,
+        description="Row files of an environment class; unset = generated rows {seed: n}.",
+    )
+    eval_size: int = Field(
+        default=200,
+        ge=1,
+        le=1_000_000,
+        description="Generated held-out rows {seed: 0..eval_size-1} (environment classes).",
+    )
+    success: str = Field(
+        default="auto",
+        pattern=SUCCESS_RULE,
+        description="When an episode counts as a success (accuracy): 'info.<key>' (truthy), "
+        "'reward>=X' / 'reward>X', or 'auto' (info.correct if reported, else reward > 0).",
     )
     mode: Literal["local", "ray", "http"] = Field(
         default="local",
@@ -54,17 +103,18 @@ class EnvSection(_Section):
     ray_actors: int = Field(default=2, ge=1, le=1024, description="Actors in the pool (mode ray).")
 
     @model_validator(mode="after")
-    def _check_params(self) -> EnvSection:
-        if self.name not in ENVIRONMENTS:
-            raise ValueError(f"unknown environment {self.name!r}; known: {sorted(ENVIRONMENTS)}")
-        make_task(self.name, self.params)  # raises with the bad parameter named
+    def _check_environment(self) -> EnvSection:
         if self.mode == "http" and not self.service_url:
             raise ValueError("env.mode 'http' needs env.service_url")
+        check_environment(self.task())  # import, API, params, one reset: each error named
         return self
 
-    def task(self) -> TaskConfig:
-        """The environment's task config, built from ``params``."""
-        return make_task(self.name, self.params)
+    def task(self, seed: int = 0) -> TaskConfig:
+        """The environment's task config; ``seed`` (the job's) seeds generated training rows
+        and the shuffling of row files."""
+        return make_task(
+            self.name, self.params, data=self.data, eval_size=self.eval_size, seed=seed
+        )
 
 
 class ModelSection(_Section):
@@ -87,6 +137,11 @@ class WarmupSection(_Section):
     batch_size: int = Field(default=32, ge=1, description="SFT examples per step.")
     learning_rate: float = Field(default=3e-3, gt=0, le=1, description="SFT AdamW learning rate.")
     eval_every: int = Field(default=25, ge=1, description="Warm-up steps between accuracy checks.")
+    data: RowFile | None = Field(
+        default=None,
+        description="Demonstrations: a chat-format file (rows {messages: [...]}); unset = the "
+        "environment's own (built-ins, or a class with a demonstration() method).",
+    )
 
 
 class AlgorithmSection(_Section):
@@ -227,11 +282,11 @@ class ResourcesSection(_Section):
 
 
 class SFTDataSection(_Section):
-    train: str = Field(
+    train: RowFile = Field(
         description="Chat rows {'messages': [...]}: a .jsonl/.json/.parquet path or fsspec URL "
         "(s3://…)."
     )
-    eval: str | None = Field(
+    eval: RowFile | None = Field(
         default=None, description="Held-out chat rows (same format); unset = split off `train`."
     )
     eval_size: int = Field(
@@ -239,13 +294,6 @@ class SFTDataSection(_Section):
         ge=1,
         description="Rows held out of `train` for evaluation when `eval` is unset.",
     )
-
-    @field_validator("train", "eval")
-    @classmethod
-    def _known_format(cls, v: str | None) -> str | None:
-        if v is not None and not v.split("?", 1)[0].lower().endswith(ROW_FORMATS):
-            raise ValueError(f"{v!r}: expected one of {', '.join(ROW_FORMATS)}")
-        return v
 
 
 class SFTTrainSection(_Section):
@@ -331,7 +379,7 @@ class RLJobConfig(TrainingJobConfig):
 
     @model_validator(mode="after")
     def _images_need_a_vision_model(self) -> RLJobConfig:
-        shows_images = getattr(ENVIRONMENTS[self.env.name], "shows_images", False)
+        shows_images = getattr(load(self.env.name).target, "shows_images", False)
         if shows_images and self.model.source == "tiny" and not self.model.tiny.vision.enabled:
             raise ValueError(
                 f"env {self.env.name!r} shows images: set model.tiny.vision.enabled (a tiny "

@@ -6,6 +6,7 @@ import dataclasses
 import hashlib
 import inspect
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from prefect import task
@@ -15,13 +16,15 @@ from flowrl.backends.actors import PolicyRef, start_policy, stop_policy, trainer
 from flowrl.backends.mlflow_model import save_chat_model
 from flowrl.backends.models import build_tiny_model, pin_model_uri
 from flowrl.backends.types import WorkerSpec
-from flowrl.environments.data import ROW_FORMATS
+from flowrl.environments import registry
+from flowrl.environments.data import ROW_FORMATS, StaticSource
+from flowrl.environments.types import TaskConfig
 from flowrl.infra import tracking
 from flowrl.infra.settings import get_settings
 from flowrl.infra.storage import Storage
 from flowrl.tasks.common import chat_format, derived_seed, evaluate_policy, stable_hash
 from flowrl.tasks.jobs import JOB_KINDS, JobConfig, RLJobConfig, TrainingJobConfig
-from flowrl.tasks.sft import sft_steps
+from flowrl.tasks.sft import chat_rows, sft_steps
 from flowrl.tasks.types import JobContext, WarmupResult
 
 DONE_MARKER = "DONE.json"
@@ -56,8 +59,18 @@ def warmup(cfg: RLJobConfig, ctx: JobContext, base_uri: str) -> WarmupResult:
     """
     if not cfg.warmup.enabled:
         return WarmupResult(base_uri, accuracy=None, steps=0, cached=False)
+    task_cfg = cfg.env.task(cfg.seed)
+    if not cfg.warmup.data and not getattr(task_cfg, "has_demonstrations", True):
+        why = (
+            f"environment {cfg.env.name!r} has no demonstration() method and warmup.data is "
+            "unset: RL starts from the base model"
+        )
+        return WarmupResult(base_uri, accuracy=None, steps=0, cached=False, skipped=why)
     storage = Storage(ctx.storage_url)
-    key = stable_hash(base_uri, cfg.env.model_dump(), cfg.warmup.model_dump(), cfg.seed)
+    code = _source_sha256(registry.load(cfg.env.name).target)  # an edited env re-runs warm-up
+    # Where episodes run (mode, service, actors) does not change what warm-up learns.
+    env = cfg.env.model_dump(exclude={"mode", "service_url", "ray_actors"})
+    key = stable_hash(base_uri, env, cfg.warmup.model_dump(), cfg.seed, code)
     rel = f"cache/warmup-{key}"
     if storage.exists(f"{rel}/{DONE_MARKER}"):
         done = storage.read_json(f"{rel}/{DONE_MARKER}")
@@ -82,25 +95,34 @@ def warmup(cfg: RLJobConfig, ctx: JobContext, base_uri: str) -> WarmupResult:
 def _sft_until(
     cfg: RLJobConfig, ctx: JobContext, base_uri: str, policy: PolicyRef
 ) -> tuple[float, int]:
-    """SFT steps on the environment's demonstrations, ``warmup.eval_every`` at a time, until
-    held-out accuracy reaches the target or ``warmup.max_steps`` are done."""
-    task_cfg = cfg.env.task()
-    source = task_cfg.train_source()
+    """SFT steps on demonstrations (``warmup.data``, else the environment's own),
+    ``warmup.eval_every`` at a time, until held-out accuracy reaches the target or
+    ``warmup.max_steps`` are done."""
+    task_cfg = cfg.env.task(cfg.seed)
+    next_batch = _demonstrations(cfg, task_cfg)
     chat = chat_format(base_uri, ctx.cache_dir)
     greedy = cfg.rollout.limits(greedy=True)
     accuracy, step = 0.0, 0
     while step < cfg.warmup.max_steps:
         n = min(cfg.warmup.eval_every, cfg.warmup.max_steps - step)
-        conversations = (
-            [task_cfg.sft_example(row) for row in source.next_batch(cfg.warmup.batch_size)]
-            for _ in range(n)
-        )
-        sft_steps(policy, chat, conversations)
+        sft_steps(policy, chat, (next_batch(cfg.warmup.batch_size) for _ in range(n)))
         step += n
-        accuracy = evaluate_policy(task_cfg, policy, chat, greedy).accuracy
+        result = evaluate_policy(task_cfg, policy, chat, greedy, success=cfg.env.success)
+        accuracy = result.accuracy
         if accuracy >= cfg.warmup.target_accuracy:
             break
     return accuracy, step
+
+
+def _demonstrations(cfg: RLJobConfig, task_cfg: TaskConfig) -> Callable[[int], list[list]]:
+    """``next_batch(n)``: n demonstration conversations, from the ``warmup.data`` file (rows
+    ``{"messages": [...]}``, reshuffled each epoch) or from the environment (``sft_example``
+    of its next training rows)."""
+    if cfg.warmup.data:
+        source = StaticSource(chat_rows(cfg.warmup.data), seed=cfg.seed)
+        return lambda n: [row["messages"] for row in source.next_batch(n)]
+    rows = task_cfg.train_source()
+    return lambda n: [task_cfg.sft_example(row) for row in rows.next_batch(n)]
 
 
 @task(name="register", cache_policy=NO_CACHE)
@@ -139,8 +161,11 @@ def job_lineage(cfg: TrainingJobConfig, base_uri: str) -> tracking.Lineage:
     files: list[tuple[str, str]] = []
     if env is not None:
         lineage.environment = env.name
-        lineage.environment_code = _source_sha256(type(env.task()))
+        lineage.environment_code = _source_sha256(registry.load(env.name).target)
         files += [("train", v) for v in env.params.values() if _is_data_file(v)]
+        files += [
+            (c, uri) for c, uri in (("train", env.data.train), ("eval", env.data.eval)) if uri
+        ]
     data = getattr(cfg, "data", None)
     if data is not None:
         files += [(c, uri) for c, uri in (("train", data.train), ("eval", data.eval)) if uri]
@@ -191,6 +216,7 @@ def evaluate_model(job: RLJobConfig, model_uri: str) -> float:
     try:
         chat = chat_format(model_uri, cache_dir)
         limits = job.rollout.limits(greedy=True)
-        return evaluate_policy(job.env.task(), policy, chat, limits).accuracy
+        task_cfg = job.env.task(job.seed)
+        return evaluate_policy(task_cfg, policy, chat, limits, success=job.env.success).accuracy
     finally:
         stop_policy(policy)

@@ -22,6 +22,7 @@ from flowrl.tasks.common import (
     chat_format,
     derived_seed,
     episode_metrics,
+    episode_succeeded,
     evaluate_policy,
     run_group_episodes,
 )
@@ -46,7 +47,7 @@ def rollout(
 ) -> RolloutBatch:
     """Sample ``group_size`` episodes for each of the step's data rows."""
     start = time.perf_counter()
-    task_cfg = cfg.env.task()
+    task_cfg = cfg.env.task(cfg.seed)
     source = task_cfg.train_source()
     if cursor:
         source.load_state(cursor)
@@ -98,7 +99,7 @@ def score(cfg: RLJobConfig, ctx: JobContext, batch: RolloutBatch) -> ScoredBatch
         Datum(t.tokens, t.loss_mask, float(a), t.logprobs, t.images)
         for t, a in zip(ok, advantages_N.tolist(), strict=True)
     ]
-    correct = [bool(t.info.get("correct", t.reward > 0)) for t in ok]
+    correct = [episode_succeeded(cfg.env.success, t.reward, t.info) for t in ok]
     metrics |= episode_metrics(trajectories, "env") | {
         "reward/mean": float(rewards_N.mean()),
         "reward/accuracy": sum(correct) / len(correct),
@@ -223,7 +224,7 @@ def evaluate(cfg: RLJobConfig, ctx: JobContext, model_uri: str, policy: PolicyRe
     chat = chat_format(model_uri, ctx.cache_dir)
     make_env = env_factory_for(cfg.env, ctx.run_name)
     limits = cfg.rollout.limits(greedy=True)
-    return evaluate_policy(cfg.env.task(), policy, chat, limits, make_env)
+    return evaluate_policy(cfg.env.task(cfg.seed), policy, chat, limits, make_env, cfg.env.success)
 
 
 @task(name="checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)

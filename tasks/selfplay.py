@@ -41,7 +41,7 @@ def _duel(
 ):
     limits = cfg.rollout.limits(greedy=greedy)
     samplers = {a: SeededSampler(p, derived_seed(seed, a)) for a, p in policies.items()}
-    envs = [GomokuDuel(cfg.env.task()) for _ in rows]
+    envs = [GomokuDuel(cfg.env.task(cfg.seed)) for _ in rows]
     chat = chat_format(model_uri, ctx.cache_dir)
     return envs, run_multiagent_episodes(envs, rows, samplers, chat, limits)
 

@@ -98,6 +98,12 @@ def sft_steps(
     return losses, stats
 
 
+def chat_rows(uri: str) -> list[dict[str, Any]]:
+    """The rows ``{"messages": [...]}`` of a chat-format file (JSONL, JSON or parquet; local or
+    ``s3://``). Raises ``ValueError`` naming the first row without an assistant message."""
+    return _check_rows(load_rows(uri), uri)
+
+
 def _check_rows(rows: list[dict[str, Any]], uri: str) -> list[dict[str, Any]]:
     for n, row in enumerate(rows):
         messages = row.get("messages")
@@ -112,9 +118,9 @@ def _check_rows(rows: list[dict[str, Any]], uri: str) -> list[dict[str, Any]]:
 def prepare_data(cfg: SFTJobConfig, ctx: JobContext) -> SFTData:
     """Read the chat rows (local or ``s3://``), hold out the eval rows, store both as JSON."""
     storage = Storage(ctx.storage_url)
-    train_rows = _check_rows(load_rows(cfg.data.train), cfg.data.train)
+    train_rows = chat_rows(cfg.data.train)
     if cfg.data.eval is not None:
-        eval_rows = _check_rows(load_rows(cfg.data.eval), cfg.data.eval)
+        eval_rows = chat_rows(cfg.data.eval)
     else:
         if len(train_rows) <= cfg.data.eval_size:
             raise ValueError(f"data.eval_size {cfg.data.eval_size} leaves no training rows")

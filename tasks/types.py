@@ -86,6 +86,8 @@ class WarmupResult:
     steps: int
     cached: bool
     """True when an earlier job's identical warm-up was reused from storage."""
+    skipped: str | None = None
+    """Why warm-up did not run (None when it ran or was disabled)."""
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from flowrl.environments.arithmetic import ArithmeticEnv, ArithmeticTask
 from flowrl.environments.data import GeneratedSource, StaticSource, load_rows
-from flowrl.environments.registry import ENVIRONMENTS, make_task
+from flowrl.environments.registry import load, make_task
 from flowrl.environments.types import DataSource, Environment
 
 # --- ArithmeticEnv ------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def test_task_is_frozen_and_every_field_is_described():
 
 
 def test_make_task_by_name():
-    assert ENVIRONMENTS["arithmetic"] is ArithmeticTask
+    assert load("arithmetic").target is ArithmeticTask  # an entry point of flowrl's own package
     assert make_task("arithmetic", {"max_operand": 9, "eval_size": 10}) == ArithmeticTask(
         max_operand=9, eval_size=10
     )

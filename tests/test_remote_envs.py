@@ -125,13 +125,17 @@ def test_http_service_frees_episodes_and_reports_stats(env_service):
     assert stats["steps"] > 0
 
 
-def test_unknown_environment_is_refused_as_data_not_code(env_service):
+@pytest.mark.parametrize("name", ["__import__('os')", "os:system", "subprocess:Popen", "chess"])
+def test_a_name_the_service_does_not_serve_is_refused_as_data_not_code(env_service, name):
+    """A client names an environment; the service builds only those it serves (here, with no
+    --env, the installed ones): an importable ``module:attribute`` is refused, not imported."""
     import httpx
 
     url, _ = env_service
-    body = {"job": "j", "episode_id": "e", "env": {"name": "__import__('os')"}, "row": {}}
+    body = {"job": "j", "episode_id": "e", "env": {"name": name}, "row": {"command": "id"}}
     answer = httpx.post(f"{url}/reset", json=body)
-    assert answer.status_code == 400 and "unknown environment" in answer.text
+    assert answer.status_code == 403 and "is not served here" in answer.text, answer.text
+    assert "tool_math" in answer.text  # the refusal lists what is served
 
 
 @pytest.mark.parametrize(

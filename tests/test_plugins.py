@@ -1,0 +1,338 @@
+"""A user's own environment, outside flowrl's source: named as ``module:Class`` or installed as a
+package with a ``flowrl.environments`` entry point, trained with no edit of flowrl.
+
+The environment is the README's worked example (``examples/recall/recall_env.py``), copied out
+of the repository: a two-turn game written against the documented contract only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from flowrl.cli import main
+from flowrl.environments.plugin import TRAIN_SEED_SPACING, PluginTask, play
+from flowrl.environments.registry import load, make_task
+from flowrl.infra.servers import free_port, wait_for_http
+from flowrl.tasks.common import episode_succeeded
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLE = REPO / "examples" / "recall"
+ENV_SOURCE = (EXAMPLE / "recall_env.py").read_text()
+
+
+@pytest.fixture(scope="module")
+def user_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder outside the repo holding the user's module, on this process's path."""
+    folder = tmp_path_factory.mktemp("user-envs")
+    (folder / "my_recall.py").write_text(ENV_SOURCE)
+    bad = """
+        from my_recall import Recall
+
+        class NoStep:
+            def reset(self, **row): return "hi"
+            def get_system_prompt(self): return ""
+            def get_initial_user_message(self): return "hi"
+
+        class ResetRaises(Recall):
+            def reset(self, seed, **_):
+                raise KeyError("the row has no 'board'")
+
+        class CtorRaises(Recall):
+            def __init__(self, **kw):
+                raise RuntimeError("licence server unreachable")
+
+        NOT_A_CLASS = 42
+    """
+    (folder / "my_bad_envs.py").write_text(textwrap.dedent(bad))
+    sys.path.insert(0, str(folder))
+    yield folder
+    sys.path.remove(str(folder))
+
+
+@pytest.fixture(scope="module")
+def installed_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same environment as a real package (``pip install --target``) declaring the entry
+    point ``recall-game`` in the group ``flowrl.environments``; returns its site folder."""
+    src = tmp_path_factory.mktemp("recall-pkg")
+    (src / "recall_game").mkdir()
+    (src / "recall_game" / "__init__.py").write_text(ENV_SOURCE)
+    (src / "pyproject.toml").write_text(
+        textwrap.dedent(
+            """
+            [build-system]
+            requires = ["setuptools"]
+            build-backend = "setuptools.build_meta"
+
+            [project]
+            name = "recall-game"
+            version = "0.1"
+
+            [project.entry-points."flowrl.environments"]
+            recall-game = "recall_game:Recall"
+
+            [tool.setuptools]
+            packages = ["recall_game"]
+            """
+        )
+    )
+    site = tmp_path_factory.mktemp("recall-site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+        + ["--no-index", "--target", str(site), str(src)],
+        check=True,
+    )
+    return site
+
+
+def _with_path(env: dict[str, str], *folders: Path) -> dict[str, str]:
+    paths = [str(f) for f in folders] + [p for p in [env.get("PYTHONPATH")] if p]
+    return env | {"PYTHONPATH": os.pathsep.join(paths)}
+
+
+# --- loading and the contract ---------------------------------------------------------------
+
+
+def test_a_class_in_a_user_folder_loads_by_module_and_class_name(user_folder):
+    loaded = load("my_recall:Recall")
+    assert loaded.is_task_config is False and loaded.target.__name__ == "Recall"
+    task = make_task("my_recall:Recall", {"low": 10, "high": 20}, eval_size=50, seed=3)
+    assert isinstance(task, PluginTask)
+    env = task.make_env()
+    assert env.reset(seed=1).startswith("Remember ")
+
+
+def test_generated_rows_are_seeds_and_held_out_seeds_never_reach_training(user_folder):
+    task = make_task("my_recall:Recall", {}, eval_size=100, seed=0)
+    assert task.eval_set() == [{"seed": m} for m in range(100)]
+    source = task.train_source()
+    first = source.next_batch(3)
+    assert first == [{"seed": TRAIN_SEED_SPACING + i} for i in range(3)]
+    state = source.state()
+    again = task.train_source()
+    again.load_state(state)  # the cursor a checkpoint stores resumes the stream exactly
+    assert again.next_batch(2) == source.next_batch(2)
+    other = make_task("my_recall:Recall", {}, eval_size=100, seed=1).train_source()
+    assert other.next_batch(1) != first[:1]  # the job seed moves the training stream
+
+
+def test_rows_from_files_go_to_reset_and_reshuffle_each_epoch(user_folder, tmp_path):
+    train, held = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    train.write_text("".join(json.dumps({"seed": s, "tag": "t"}) + "\n" for s in range(5)))
+    held.write_text(json.dumps({"seed": 99}) + "\n")
+
+    from flowrl.tasks.jobs import EnvDataSection
+
+    data = EnvDataSection(train=str(train), eval=str(held))
+    task = make_task("my_recall:Recall", {}, data=data, seed=0)
+    assert task.eval_set() == [{"seed": 99}]
+    rows = task.train_source().next_batch(10)
+    epoch_1, epoch_2 = [r["seed"] for r in rows[:5]], [r["seed"] for r in rows[5:]]
+    assert sorted(epoch_1) == sorted(epoch_2) == list(range(5)) and epoch_1 != epoch_2
+    env = task.make_env()
+    assert env.reset(**rows[0]).startswith("Remember")  # extra fields ("tag") reach reset too
+
+
+def test_demonstrations_are_played_through_the_environment(user_folder):
+    task = make_task("my_recall:Recall", {})
+    conversation = task.sft_example({"seed": 7})
+    env = task.make_env()
+    number = env.demonstration(seed=7)[1]
+    assert [m["role"] for m in conversation] == ["system", "user", "assistant", "user", "assistant"]
+    assert conversation[3]["content"] == "Number?"  # the environment's own observation
+    assert conversation[-1]["content"] == number
+    assert play(task.make_env(), {"seed": 7}, ["no", "0"])[2:4] == [
+        {"role": "assistant", "content": "no"},
+        {"role": "user", "content": "Number?"},
+    ]
+
+
+def test_the_first_user_message_is_resets_text_else_get_initial_user_message():
+    from flowrl.environments.plugin import first_user_message
+
+    class Env:
+        def get_initial_user_message(self) -> str:
+            return "from the method"
+
+    assert first_user_message(Env(), "from reset") == "from reset"
+    assert first_user_message(Env(), None) == "from the method"
+    assert first_user_message(Env(), "") == "from the method"
+
+
+@pytest.mark.parametrize(
+    ("rule", "reward", "info", "expected"),
+    [
+        ("auto", 0.0, {"correct": True}, True),
+        ("auto", 0.5, {}, True),
+        ("auto", 0.5, {"correct": False}, False),
+        ("info.won", 0.0, {"won": 1}, True),
+        ("info.won", 1.0, {}, False),
+        ("reward>=0.5", 0.5, {}, True),
+        ("reward>0.5", 0.5, {}, False),
+        ("reward >= -1", -1.0, {}, True),
+    ],
+)
+def test_the_success_rule_decides_accuracy(rule, reward, info, expected):
+    assert episode_succeeded(rule, reward, info) is expected
+
+
+# --- bad plug-ins: exit 2, the cause named, nothing created ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "cause"),
+    [
+        ("no_such_module:Env", {}, "cannot import module 'no_such_module'"),
+        ("my_recall:Missing", {}, "has no attribute 'Missing'"),
+        ("my_bad_envs:NOT_A_CLASS", {}, "int object is not a class or factory"),
+        ("my_bad_envs:NoStep", {}, "lacks method(s) step"),
+        ("my_recall:Recall", {"colour": "red"}, "unexpected keyword argument 'colour'"),
+        ("my_bad_envs:ResetRaises", {}, "reset(**row) raised KeyError"),
+        ("my_bad_envs:CtorRaises", {}, "raised RuntimeError: licence server unreachable"),
+        ("recall", {}, "unknown environment 'recall'"),
+    ],
+)
+def test_a_bad_plugin_exits_2_naming_the_cause_before_anything_starts(
+    user_folder, tmp_path, monkeypatch, capsys, name, params, cause
+):
+    monkeypatch.setenv("FLOWRL_HOME", str(tmp_path / "home"))
+    overrides = [f"env.name={name}"] + [f"env.params.{k}={v}" for k, v in params.items()]
+    args = [a for o in overrides for a in ("--set", o)]
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert cause in err, err
+    assert not (tmp_path / "home").exists()  # no MLflow store, no storage, no run
+
+
+# --- training: flowrl train, local / ray / http, both ways of naming -------------------------
+
+
+def _service(env: dict[str, str], *serves: str) -> tuple[str, subprocess.Popen]:
+    port = free_port()
+    args = [a for name in serves for a in ("--env", name)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flowrl.environments.service", "--port", str(port), *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_for_http(f"{url}/health", timeout=60, process=proc)
+    return url, proc
+
+
+def test_the_service_serves_a_user_class_only_when_started_with_it(user_folder):
+    import httpx
+
+    env = _with_path(dict(os.environ), user_folder)
+    url, proc = _service(env, "my_recall:Recall", "tool_math")
+    try:
+        body = {"job": "j", "episode_id": "e", "row": {"seed": 5}}
+        ok = httpx.post(f"{url}/reset", json=body | {"env": {"name": "my_recall:Recall"}})
+        assert ok.status_code == 200 and ok.json()["observation"].startswith("Remember")
+        refused = httpx.post(f"{url}/reset", json=body | {"env": {"name": "my_bad_envs:NoStep"}})
+        assert refused.status_code == 403 and "not served" in refused.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    failed = subprocess.run(  # a name that does not load stops the service at start
+        [sys.executable, "-m", "flowrl.environments.service", "--env", "nope:Env"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert failed.returncode != 0 and "cannot import module 'nope'" in failed.stderr
+
+
+JOBS_SCRIPT = """
+import json, sys
+from flowrl.flows.rl import rl_train
+from flowrl.infra.settings import get_settings
+from flowrl.tasks.jobs import load_job
+
+get_settings().apply_to_environment()
+results = {}
+for job in json.loads(sys.argv[1]):
+    config = load_job(sys.argv[2], job["overrides"])
+    result = rl_train(config)
+    results[job["key"]] = {"model_uri": result.model_uri, "run": result.mlflow_run_id}
+print("RESULTS " + json.dumps(results))
+"""
+
+
+def test_a_user_environment_trains_in_every_mode_both_ways_of_naming_it(
+    user_folder, installed_package, tmp_path
+):
+    """Six short jobs in one Python process (the Python user path), each a different (name,
+    mode); the environment module reaches the flow's Ray workers and the environment service
+    through PYTHONPATH, as the README says."""
+    env = _with_path(dict(os.environ), user_folder, installed_package)
+    env["FLOWRL_HOME"] = str(tmp_path / "home")
+    url, proc = _service(env, "my_recall:Recall", "recall-game")
+    jobs = []
+    for name in ("my_recall:Recall", "recall-game"):
+        for mode in ("local", "ray", "http"):
+            key = f"{name}/{mode}"
+            overrides = [
+                f"name=plug-{len(jobs)}",
+                f"env.name={name}",
+                f"env.mode={mode}",
+                "schedule.steps=2",
+                "schedule.eval_every=2",
+                "warmup.max_steps=25",
+                "rollout.prompts_per_step=4",
+                "env.eval_size=16",
+            ]
+            if mode == "http":
+                overrides.append(f"env.service_url={url}")
+            jobs.append({"key": key, "overrides": overrides})
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", JOBS_SCRIPT, json.dumps(jobs), str(EXAMPLE / "recall.yaml")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULTS "))
+    results = json.loads(line[len("RESULTS ") :])
+    assert sorted(results) == sorted(job["key"] for job in jobs)
+    assert all(r["model_uri"].startswith("models:/plug-") for r in results.values())
+
+
+def test_the_readme_example_trains_with_the_readme_command_and_reward_rises(tmp_path):
+    """``PYTHONPATH=examples/recall flowrl train examples/recall/recall.yaml`` (shortened):
+    warm-up from Recall.demonstration(), then RL; mean reward of the last steps beats the
+    first steps'."""
+    env = _with_path(dict(os.environ), EXAMPLE)
+    env["FLOWRL_HOME"] = str(tmp_path / "home")
+    flowrl = Path(sys.executable).with_name("flowrl")
+    done = subprocess.run(
+        [str(flowrl), "train", str(EXAMPLE / "recall.yaml"), "--set", "schedule.steps=30"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_id = next(x for x in done.stdout.splitlines() if x.startswith("MLflow run")).split()[-1]
+    import mlflow
+
+    client = mlflow.MlflowClient(f"sqlite:///{tmp_path / 'home' / 'mlflow.db'}")
+    history = client.get_metric_history(run_id, "reward/mean")
+    rewards = [m.value for m in sorted(history, key=lambda m: m.step)]
+    assert len(rewards) == 30
+    assert client.get_metric_history(run_id, "env/acknowledged")  # an info field, no code
+    first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
+    assert last > first + 0.04, (first, last, rewards)
