@@ -18,6 +18,7 @@ from flowrl.backends.models import build_tiny_model, pin_model_uri
 from flowrl.backends.types import WorkerSpec
 from flowrl.environments import registry
 from flowrl.environments.data import ROW_FORMATS, StaticSource
+from flowrl.environments.plugin import play
 from flowrl.environments.types import TaskConfig
 from flowrl.infra import tracking
 from flowrl.infra.settings import get_settings
@@ -196,10 +197,13 @@ def _example_messages(cfg: TrainingJobConfig) -> list[dict[str, str]]:
     """The model's input example: a held-out prompt of the job's own environment."""
     env = getattr(cfg, "env", None)
     if env is not None:
-        task_cfg = env.task()
+        task_cfg = env.task(cfg.seed)
         rows = task_cfg.eval_set()
         if rows:
-            conversation = task_cfg.sft_example(rows[0])
+            if getattr(task_cfg, "has_demonstrations", True):
+                conversation = task_cfg.sft_example(rows[0])
+            else:  # a user's class without demonstration(): its opening messages
+                conversation = play(task_cfg.make_env(), rows[0], [])
             prompt = [m for m in conversation if m.get("role") != "assistant"][:2]
             if prompt and all(isinstance(m.get("content"), str) for m in prompt):
                 return [{"role": m["role"], "content": m["content"]} for m in prompt]

@@ -27,6 +27,7 @@ os.environ.update(QUIET_TEST_ENV)
 # the last measurement), so no long module is left to run alone at the end.
 SLOW_MODULES = (
     "test_deployments.py",  # ~370 s: every deployment through the worker, its own stack
+    "test_plugins.py",  # ~380 s: six jobs of a user's environment, the README example
     "test_stack.py",  # ~215 s: the whole local stack, lease expiry, load test
     "test_flow_e2e.py",  # ~180 s: an 80-step RL job
     "test_resume_kill.py",  # ~130 s: two training processes

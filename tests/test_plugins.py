@@ -257,7 +257,11 @@ from flowrl.flows.rl import rl_train
 from flowrl.infra.settings import get_settings
 from flowrl.tasks.jobs import load_job
 
+import ray
+
 get_settings().apply_to_environment()
+# One Ray for the six jobs: a flow finding Ray initialised uses it and leaves it running.
+ray.init(num_cpus=4, include_dashboard=False, namespace="flowrl", log_to_driver=False)
 results = {}
 for job in json.loads(sys.argv[1]):
     config = load_job(sys.argv[2], job["overrides"])
@@ -272,7 +276,8 @@ def test_a_user_environment_trains_in_every_mode_both_ways_of_naming_it(
 ):
     """Six short jobs in one Python process (the Python user path), each a different (name,
     mode); the environment module reaches the flow's Ray workers and the environment service
-    through PYTHONPATH, as the README says."""
+    through PYTHONPATH, as the README says. Each job's episodes really ran where its mode says:
+    the service counted the http jobs' steps."""
     env = _with_path(dict(os.environ), user_folder, installed_package)
     env["FLOWRL_HOME"] = str(tmp_path / "home")
     url, proc = _service(env, "my_recall:Recall", "recall-game")
@@ -286,7 +291,7 @@ def test_a_user_environment_trains_in_every_mode_both_ways_of_naming_it(
                 f"env.mode={mode}",
                 "schedule.steps=2",
                 "schedule.eval_every=2",
-                "warmup.max_steps=25",
+                "warmup.enabled=false",  # warm-up from demonstrations: the README test
                 "rollout.prompts_per_step=4",
                 "env.eval_size=16",
             ]
@@ -301,10 +306,14 @@ def test_a_user_environment_trains_in_every_mode_both_ways_of_naming_it(
             text=True,
             timeout=900,
         )
+        import httpx
+
+        steps = httpx.get(f"{url}/stats").json()["steps"]
     finally:
         proc.terminate()
         proc.wait(timeout=10)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert steps > 0  # the http jobs' episodes were played by the service
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULTS "))
     results = json.loads(line[len("RESULTS ") :])
     assert sorted(results) == sorted(job["key"] for job in jobs)
@@ -336,3 +345,21 @@ def test_the_readme_example_trains_with_the_readme_command_and_reward_rises(tmp_
     assert client.get_metric_history(run_id, "env/acknowledged")  # an info field, no code
     first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
     assert last > first + 0.04, (first, last, rewards)
+
+
+def test_a_class_without_demonstrations_skips_warmup_saying_why(user_folder):
+    """Warm-up needs demonstrations (the class's or ``warmup.data``); without them it is skipped
+    and says so, and the registered model's input example still comes from the environment."""
+    from flowrl.tasks.jobs import load_job
+    from flowrl.tasks.model import _example_messages, warmup
+
+    (user_folder / "my_plain.py").write_text(
+        "from my_recall import Recall\n\nclass Plain(Recall):\n    demonstration = None\n"
+    )
+    config = load_job(None, ["env.name=my_plain:Plain"])
+    result = warmup.fn(config, None, "file:///base")
+    assert result.model_uri == "file:///base" and result.steps == 0
+    assert "no demonstration() method and warmup.data is unset" in result.skipped
+    example = _example_messages(config)
+    assert [m["role"] for m in example] == ["system", "user"]
+    assert example[1]["content"].startswith("Remember ")
