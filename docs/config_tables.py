@@ -67,6 +67,8 @@ def format_type(annotation: Any) -> str:
         return "Any"
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
+    if origin is typing.Annotated:  # a constrained type (e.g. RowFile): show the base type
+        return format_type(args[0])
     if origin is typing.Literal:
         return "Literal[" + ", ".join(format_value(a) for a in args) + "]"
     if origin in (types.UnionType, typing.Union):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
@@ -20,7 +20,14 @@ import ray
 
 from flowrl.environments.plugin import first_user_message
 from flowrl.environments.registry import make_env
-from flowrl.environments.types import Environment, StepResult, from_wire, shown_images, to_wire
+from flowrl.environments.types import (
+    Environment,
+    StepResult,
+    from_wire,
+    shown_images,
+    step_fields,
+    to_wire,
+)
 
 EnvMode = Literal["local", "ray", "http"]
 
@@ -111,7 +118,7 @@ class EnvActor:
         result = env.step(action)
         if result.done:
             self.episodes.pop(episode_id, None)
-        return asdict(result) | {"images": [] if result.done else shown_images(env)}
+        return step_fields(result) | {"images": [] if result.done else shown_images(env)}
 
     def end(self, episode_id: str) -> None:
         self.episodes.pop(episode_id, None)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 from collections import Counter
-from dataclasses import asdict
 from typing import Any
 
 from fastapi import FastAPI, HTTPException
@@ -35,7 +34,13 @@ from pydantic import BaseModel, Field
 
 from flowrl.environments.plugin import first_user_message
 from flowrl.environments.registry import installed_names, load, make_env
-from flowrl.environments.types import Environment, from_wire, shown_images, to_wire
+from flowrl.environments.types import (
+    Environment,
+    from_wire,
+    shown_images,
+    step_fields,
+    to_wire,
+)
 
 
 class EnvSpec(BaseModel):
@@ -112,7 +117,7 @@ def create_app(max_episodes: int = 100_000, serves: list[str] | None = None) -> 
         counters["steps"] += 1
         if result.done:
             episodes.pop((req.job, req.episode_id), None)
-        return asdict(result) | {"images": to_wire(images)}
+        return step_fields(result) | {"images": to_wire(images)}
 
     @app.delete("/episodes/{job}/{episode_id}")
     def end(job: str, episode_id: str) -> dict[str, bool]:

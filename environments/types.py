@@ -49,6 +49,17 @@ class Environment(Protocol):
     def get_initial_user_message(self) -> str: ...
 
 
+def step_fields(result: Any) -> dict[str, Any]:
+    """A step's answer (``StepResult``, or any object with ``observation``, ``reward``, ``done``
+    and ``info``, as a user's environment may return) as the plain dict Ray and HTTP carry."""
+    return {
+        "observation": str(result.observation),
+        "reward": float(result.reward),
+        "done": bool(result.done),
+        "info": dict(result.info or {}),
+    }
+
+
 @runtime_checkable
 class ShowsImages(Protocol):
     """An environment that shows images (to vision-language policies) implements this too.

@@ -49,6 +49,12 @@ def user_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 raise RuntimeError("licence server unreachable")
 
         NOT_A_CLASS = 42
+
+        class PlainAnswers(Recall):
+            def step(self, action):  # any object with the four fields, not flowrl's StepResult
+                import types
+                step = super().step(action)
+                return types.SimpleNamespace(**vars(step))
     """
     (folder / "my_bad_envs.py").write_text(textwrap.dedent(bad))
     sys.path.insert(0, str(folder))
@@ -231,11 +237,15 @@ def test_the_service_serves_a_user_class_only_when_started_with_it(user_folder):
     import httpx
 
     env = _with_path(dict(os.environ), user_folder)
-    url, proc = _service(env, "my_recall:Recall", "tool_math")
+    url, proc = _service(env, "my_recall:Recall", "my_bad_envs:PlainAnswers", "tool_math")
     try:
         body = {"job": "j", "episode_id": "e", "row": {"seed": 5}}
         ok = httpx.post(f"{url}/reset", json=body | {"env": {"name": "my_recall:Recall"}})
         assert ok.status_code == 200 and ok.json()["observation"].startswith("Remember")
+        plain = {"job": "j", "episode_id": "p", "env": {"name": "my_bad_envs:PlainAnswers"}}
+        assert httpx.post(f"{url}/reset", json=plain | {"row": {"seed": 5}}).status_code == 200
+        step = httpx.post(f"{url}/step", json={"job": "j", "episode_id": "p", "action": "ok"})
+        assert step.status_code == 200 and step.json()["observation"] == "Number?", step.text
         refused = httpx.post(f"{url}/reset", json=body | {"env": {"name": "my_bad_envs:NoStep"}})
         assert refused.status_code == 403 and "not served" in refused.text
     finally:
