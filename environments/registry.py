@@ -25,8 +25,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from importlib.metadata import entry_points
 from typing import Any
 
@@ -148,30 +149,48 @@ def _check_contract(name: str, obj: Any) -> None:
 def make_env(name: str, params: dict[str, Any] | None = None) -> Environment:
     """A fresh environment for one episode: what Ray env actors and the HTTP service build.
     ``params`` go to an environment's constructor, or validate a task config's fields."""
+    return env_builder(name, params)()
+
+
+def env_builder(name: str, params: dict[str, Any] | None = None) -> Callable[[], Environment]:
+    """A function making one fresh environment per call, with the name resolved and a task
+    config's ``params`` validated once, here (not per episode)."""
     loaded = load(name)
     if loaded.is_task_config:
-        return loaded.target.model_validate(params or {}).make_env()
-    return construct(loaded, params or {})
+        return loaded.target.model_validate(params or {}).make_env
+    return partial(construct, loaded, dict(params or {}))
 
 
 def construct(loaded: Loaded, params: dict[str, Any]) -> Environment:
     """``loaded.target(**params)``, checked: an unknown parameter or a constructor error is
-    an ``EnvironmentLoadError`` naming it, and the result must have the environment API."""
-    try:
-        inspect.signature(loaded.target).bind(**params)
-    except TypeError as exc:
-        raise EnvironmentLoadError(f"environment {loaded.name!r}: bad env.params: {exc}") from None
-    except ValueError:
-        pass  # no signature to inspect (a builtin): calling it tells
+    an ``EnvironmentLoadError`` naming it, and a factory's result must have the environment
+    API (a class was checked when it was loaded)."""
     try:
         env = loaded.target(**params)
     except Exception as exc:
+        bad = _bad_params(loaded.target, params) if isinstance(exc, TypeError) else None
+        if bad:
+            raise EnvironmentLoadError(
+                f"environment {loaded.name!r}: bad env.params: {bad}"
+            ) from None
         raise EnvironmentLoadError(
             f"environment {loaded.name!r}: constructing it with env.params {params!r} raised "
             f"{type(exc).__name__}: {exc}"
         ) from exc
-    _check_contract(loaded.name, env)
+    if not inspect.isclass(loaded.target):
+        _check_contract(loaded.name, env)
     return env
+
+
+def _bad_params(target: Any, params: dict[str, Any]) -> str | None:
+    """Why ``params`` do not fit ``target``'s signature (None if they do, or it has none)."""
+    try:
+        inspect.signature(target).bind(**params)
+    except TypeError as exc:
+        return str(exc)
+    except ValueError:
+        return None
+    return None
 
 
 def make_task(

@@ -19,7 +19,7 @@ import httpx
 import ray
 
 from flowrl.environments.plugin import first_user_message
-from flowrl.environments.registry import make_env
+from flowrl.environments.registry import env_builder, make_env
 from flowrl.environments.types import (
     Environment,
     StepResult,
@@ -194,6 +194,7 @@ class EnvFactory:
         self.spec = {"name": name, "params": params}
         self.mode, self.job = mode, job
         self._made: list[Any] = []
+        self._build = env_builder(name, params) if mode == "local" else None
         self._client = (
             httpx.Client(base_url=service_url, timeout=timeout_s) if mode == "http" else None
         )
@@ -201,7 +202,7 @@ class EnvFactory:
 
     def __call__(self, episode_id: str) -> Environment:
         if self.mode == "local":
-            return make_env(self.spec["name"], self.spec["params"])
+            return self._build()
         if self.mode == "http":
             env: Any = HTTPEnv(episode_id, client=self._client, job=self.job, spec=self.spec)
         else:

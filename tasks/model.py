@@ -84,7 +84,7 @@ def warmup(cfg: RLJobConfig, ctx: JobContext, base_uri: str) -> WarmupResult:
     )
     policy = cfg.resources.plan().start(f"{ctx.run_name}-warmup", spec)
     try:
-        accuracy, steps = _sft_until(cfg, ctx, base_uri, policy)
+        accuracy, steps = _sft_until(cfg, ctx, task_cfg, base_uri, policy)
         trainer(policy).export_pretrained(ctx.storage_url, rel)
     finally:
         stop_policy(policy)
@@ -94,12 +94,11 @@ def warmup(cfg: RLJobConfig, ctx: JobContext, base_uri: str) -> WarmupResult:
 
 
 def _sft_until(
-    cfg: RLJobConfig, ctx: JobContext, base_uri: str, policy: PolicyRef
+    cfg: RLJobConfig, ctx: JobContext, task_cfg: TaskConfig, base_uri: str, policy: PolicyRef
 ) -> tuple[float, int]:
     """SFT steps on demonstrations (``warmup.data``, else the environment's own),
     ``warmup.eval_every`` at a time, until held-out accuracy reaches the target or
     ``warmup.max_steps`` are done."""
-    task_cfg = cfg.env.task(cfg.seed)
     next_batch = _demonstrations(cfg, task_cfg)
     chat = chat_format(base_uri, ctx.cache_dir)
     greedy = cfg.rollout.limits(greedy=True)
@@ -164,12 +163,9 @@ def job_lineage(cfg: TrainingJobConfig, base_uri: str) -> tracking.Lineage:
         lineage.environment = env.name
         lineage.environment_code = _source_sha256(registry.load(env.name).target)
         files += [("train", v) for v in env.params.values() if _is_data_file(v)]
-        files += [
-            (c, uri) for c, uri in (("train", env.data.train), ("eval", env.data.eval)) if uri
-        ]
-    data = getattr(cfg, "data", None)
-    if data is not None:
-        files += [(c, uri) for c, uri in (("train", data.train), ("eval", data.eval)) if uri]
+    for data in (getattr(env, "data", None), getattr(cfg, "data", None)):  # env's rows, SFT's
+        if data is not None:
+            files += [(c, uri) for c, uri in (("train", data.train), ("eval", data.eval)) if uri]
     lineage.data = [tracking.DataFile(uri, _file_sha256(uri), c) for c, uri in files]
     return lineage
 

@@ -15,11 +15,11 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from services import start_env_service
 
 from flowrl.cli import main
 from flowrl.environments.plugin import TRAIN_SEED_SPACING, PluginTask, play
 from flowrl.environments.registry import load, make_task
-from flowrl.infra.servers import free_port, wait_for_http
 from flowrl.tasks.common import episode_succeeded
 
 REPO = Path(__file__).resolve().parents[1]
@@ -219,25 +219,12 @@ def test_a_bad_plugin_exits_2_naming_the_cause_before_anything_starts(
 # --- training: flowrl train, local / ray / http, both ways of naming -------------------------
 
 
-def _service(env: dict[str, str], *serves: str) -> tuple[str, subprocess.Popen]:
-    port = free_port()
-    args = [a for name in serves for a in ("--env", name)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flowrl.environments.service", "--port", str(port), *args],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_for_http(f"{url}/health", timeout=60, process=proc)
-    return url, proc
-
-
 def test_the_service_serves_a_user_class_only_when_started_with_it(user_folder):
     import httpx
 
     env = _with_path(dict(os.environ), user_folder)
-    url, proc = _service(env, "my_recall:Recall", "my_bad_envs:PlainAnswers", "tool_math")
+    serves = ("my_recall:Recall", "my_bad_envs:PlainAnswers", "tool_math")
+    url, proc = start_env_service(*serves, env=env)
     try:
         body = {"job": "j", "episode_id": "e", "row": {"seed": 5}}
         ok = httpx.post(f"{url}/reset", json=body | {"env": {"name": "my_recall:Recall"}})
@@ -290,7 +277,7 @@ def test_a_user_environment_trains_in_every_mode_both_ways_of_naming_it(
     the service counted the http jobs' steps."""
     env = _with_path(dict(os.environ), user_folder, installed_package)
     env["FLOWRL_HOME"] = str(tmp_path / "home")
-    url, proc = _service(env, "my_recall:Recall", "recall-game")
+    url, proc = start_env_service("my_recall:Recall", "recall-game", env=env)
     jobs = []
     for name in ("my_recall:Recall", "recall-game"):
         for mode in ("local", "ray", "http"):

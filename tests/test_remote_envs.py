@@ -4,22 +4,18 @@ fails its episodes cleanly while the loop goes on."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import zlib
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 from fakes import ByteChat, say
+from services import start_env_service
 
 from flowrl.agent_loop.loop import LoopLimits, run_episodes
 from flowrl.agent_loop.types import SampleResult, StopReason
 from flowrl.environments.registry import make_task
 from flowrl.environments.remote import EnvFactory, stop_env_pool
-from flowrl.infra.servers import free_port, wait_for_http
 
-REPO = Path(__file__).resolve().parents[1]
 GOMOKU = {"size": 3, "win_length": 3, "move_format": "cell", "max_policy_turns": 9}
 MOVES = ["5", "1", "9", "3", "7", "2", "4", "6", "8", "5x"]  # the last one is invalid
 GEOMETRY = {"num_choices": 9 - 5, "image_size": 16}  # rows and shown images carry PNG bytes
@@ -44,24 +40,10 @@ class PromptHashPolicy:
         return out
 
 
-def _start_service():
-    """``python -m flowrl.environments.service`` on a free loopback port; returns (url, process)."""
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "flowrl.environments.service", "--port", str(port)],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    wait_for_http(f"{url}/health", timeout=60, process=proc)
-    return url, proc
-
-
 @pytest.fixture(scope="module")
 def env_service():
     """The environment service for the module; stopped by PID."""
-    url, proc = _start_service()
+    url, proc = start_env_service()
     yield url, proc
     proc.terminate()
     proc.wait(timeout=10)
@@ -165,7 +147,7 @@ def test_a_row_naming_a_file_is_refused_and_nothing_is_read(env_service, image):
 
 def test_killing_the_service_mid_run_fails_episodes_cleanly():
     """The loop returns; the episodes that needed the dead service end with ERROR, counted."""
-    url, proc = _start_service()
+    url, proc = start_env_service()
 
     def kill_after_first_round(call: int) -> None:
         if call == 2:
