@@ -107,13 +107,13 @@ def _play_round(
         stream.loss_mask += [1] * len(result.tokens)
         stream.logprobs += list(result.logprobs)
         body = result.tokens[:-1] if result.finish_reason == "stop" else result.tokens
-        if result.finish_reason != "stop":  # close the assistant message as a render would
-            stream.tokens += chat.stop_token_ids[:1]
-            stream.loss_mask.append(0)
-            stream.logprobs.append(0.0)
-        action = chat.decode(body)
-        stream.messages.append({"role": "assistant", "content": action})
-        _apply(game, agent, action, limits)
+        closing = chat.closing(list(result.tokens))  # close the turn as a render would
+        stream.tokens += closing
+        stream.loss_mask += [0] * len(closing)
+        stream.logprobs += [0.0] * len(closing)
+        text = chat.decode(body)
+        stream.messages.append({"role": "assistant", "content": text})
+        _apply(game, agent, chat.response(text), limits)
 
 
 def _prompt(game: _Game, agent: str, chat: ChatFormat) -> list[int]:

@@ -86,6 +86,8 @@ class _Episode:
     turns: int = 0
     truncated: bool = False
     """True when the latest turn ended without a stop token."""
+    closing: list[int] = field(default_factory=list)
+    """Injected before the next observation: the end-of-turn token the latest turn lacks."""
     env_info: dict[str, Any] = field(default_factory=dict)
 
 
@@ -175,8 +177,10 @@ def _take_turn(
     episode.turns += 1
     stopped = bool(tokens) and tokens[-1] in chat.stop_token_ids
     episode.truncated = not stopped
-    action = chat.decode(tokens[:-1] if stopped else tokens)
-    episode.traj.messages.append({"role": "assistant", "content": action})
+    episode.closing = chat.closing(tokens)
+    text = chat.decode(tokens[:-1] if stopped else tokens)
+    episode.traj.messages.append({"role": "assistant", "content": text})
+    action = chat.response(text)
     try:
         step = episode.env.step(action)
         images = [] if step.done else shown_images(episode.env)
@@ -207,8 +211,7 @@ def _interact(
 ) -> None:
     """INTERACTING: inject the observation (mask 0) if a reply can still fit after it."""
     episode.state = FSMState.INTERACTING
-    closing = chat.stop_token_ids[:1] if episode.truncated else []
-    injected = closing + chat.encode_turn(message)
+    injected = episode.closing + chat.encode_turn(message)
     if len(episode.traj.tokens) + len(injected) >= limits.max_context_tokens:
         _terminate(episode, StopReason.MAX_TOKENS)
         return

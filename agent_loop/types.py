@@ -70,10 +70,14 @@ class ChatFormat(Protocol):
     """Turns chat messages into token ids, one message at a time, so nothing is re-encoded.
 
     ``encode_prompt(messages)`` renders the opening messages plus the generation prompt.
-    ``encode_turn(message)`` renders one more (user or tool) message plus the generation prompt;
-    concatenating the pieces equals rendering the whole conversation at once. A message's
-    content is text, or (images) a list of parts ``{"type": "image"}`` and
-    ``{"type": "text", "text": ...}``, each image part rendered as its image tokens.
+    A sampled turn is followed by ``closing(sampled)`` (the end-of-turn token when the turn did
+    not end with it) and ``encode_turn(message)``: the template's separator after the end of
+    turn, one more (user or tool) message and the generation prompt. Concatenating the pieces
+    equals rendering the whole conversation at once. ``stop_token_ids[0]`` is the template's
+    end-of-turn token; sampling stops on any of them. ``response(decode(sampled))`` is what the
+    environment sees (a thinking model's ``<think>`` block removed). A message's content is
+    text, or (images) a list of parts ``{"type": "image"}`` and ``{"type": "text", ...}``, each
+    image part rendered as its image tokens.
     """
 
     stop_token_ids: list[int]
@@ -82,7 +86,11 @@ class ChatFormat(Protocol):
 
     def encode_turn(self, message: dict[str, Any]) -> list[int]: ...
 
+    def closing(self, sampled: list[int]) -> list[int]: ...
+
     def decode(self, tokens: list[int]) -> str: ...
+
+    def response(self, text: str) -> str: ...
 
 
 @dataclass

@@ -24,14 +24,16 @@ from flowrl.backends.algorithms import (
     get_policy_loss,
     token_logprobs,
 )
+from flowrl.backends.chat import HFChatFormat
 from flowrl.backends.models import (
+    copy_model_files,
     load_causal_lm,
     load_tokenizer,
+    pad_id,
     resolve_model_uri,
-    save_tokenizer,
 )
 from flowrl.backends.types import Datum, WorkerSpec
-from flowrl.backends.vlm import ImageInputs, copy_processor_files, vision_inputs
+from flowrl.backends.vlm import ImageInputs, vision_inputs
 from flowrl.infra.storage import Storage, commit_checkpoint, load_latest_checkpoint
 
 
@@ -85,7 +87,7 @@ class HFSampler:
         self.model.eval()
         self.device = _device(spec)
         self.image_inputs = ImageInputs.for_model(self.model_path)  # None: text only
-        self.stop_token_ids = [self.tokenizer.eos_token_id]
+        self.stop_token_ids = HFChatFormat.from_folder(self.model_path).stop_token_ids
         self.weights_version = 0
 
     @torch.no_grad()
@@ -105,7 +107,7 @@ class HFSampler:
         unsampled = _unsampled_token_ids(self.image_inputs)
         if seed is not None:
             torch.manual_seed(seed)
-        pad = self.tokenizer.pad_token_id
+        pad = pad_id(self.tokenizer)
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         attention = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -209,7 +211,7 @@ class TorchTrainer:
         """Right-pad a list of Datum into B x T tensors (shifted so position t predicts t+1),
         plus ``pixel_values`` of the data's images when any datum has some."""
         width = max(len(d.tokens) for d in data)
-        pad = self.tokenizer.pad_token_id
+        pad = pad_id(self.tokenizer)
         ids = torch.full((len(data), width), pad, dtype=torch.long)
         attention = torch.zeros_like(ids)
         mask = torch.zeros((len(data), width), dtype=torch.float32)
@@ -370,8 +372,7 @@ class TorchTrainer:
             model = self._merged_copy()
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
-            save_tokenizer(self.tokenizer, tmp)
-            copy_processor_files(self.model_path, tmp)  # a VLM's image processor settings
+            copy_model_files(self.model_path, tmp)  # tokenizer, template, generation config
             storage.put_dir(tmp, rel)
         return storage.uri(rel)
 

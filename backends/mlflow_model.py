@@ -53,10 +53,12 @@ class ChatPolicy(mlflow.pyfunc.PythonModel):
     """
 
     def load_context(self, context: mlflow.pyfunc.PythonModelContext) -> None:
-        from flowrl.backends.models import HFChatFormat, load_causal_lm, load_tokenizer
+        from flowrl.backends.chat import HFChatFormat
+        from flowrl.backends.models import load_causal_lm, pad_id
 
         path = context.artifacts[POLICY_ARTIFACT]
-        self._chat = HFChatFormat(load_tokenizer(path), sanitize_control_tokens=True)
+        self._chat = HFChatFormat.from_folder(path)
+        self._pad = pad_id(self._chat.tokenizer)
         self._model = load_causal_lm(path)
 
     def predict(
@@ -86,7 +88,7 @@ class ChatPolicy(mlflow.pyfunc.PythonModel):
                     top_k=None,
                     top_p=None,
                     eos_token_id=self._chat.stop_token_ids,
-                    pad_token_id=self._chat.tokenizer.pad_token_id,
+                    pad_token_id=self._pad,
                 )
             replies.append(self._chat.decode(out[0, len(prompt) :].tolist()))
         return pd.DataFrame({"content": replies})

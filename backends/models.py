@@ -14,7 +14,6 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -225,9 +224,31 @@ def save_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: str) -> None:
     path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".index.json")
+
+
+def copy_model_files(src: str, dst: str) -> None:
+    """Copy every file of model folder ``src`` that is not weights or ``config.json`` to
+    ``dst``, byte for byte: tokenizer, chat template, generation config (its eos ids), processor
+    settings. A trained policy is saved with these so that it reloads exactly as its base."""
+    for path in sorted(Path(src).iterdir()):
+        if path.is_file() and path.name != "config.json" and not path.name.startswith("."):
+            if not path.name.endswith(_WEIGHT_SUFFIXES):
+                shutil.copyfile(path, Path(dst) / path.name)
+
+
 def load_tokenizer(path: str) -> PreTrainedTokenizerFast:
     """Load a tokenizer from a local HF folder (never ``AutoTokenizer``: see STACK_NOTES)."""
     return PreTrainedTokenizerFast.from_pretrained(path)
+
+
+def pad_id(tokenizer: PreTrainedTokenizerFast) -> int:
+    """The id batches are padded with: the tokenizer's pad token, else its eos (Llama 3 has no
+    pad token); padded positions are masked out of attention and loss either way."""
+    for token_id in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if token_id is not None:
+            return int(token_id)
+    return 0
 
 
 def load_causal_lm(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
@@ -406,77 +427,3 @@ def _find_model_folder(root: Path, uri: str) -> str:
         names = [p.name for p in nested]
         raise ValueError(f"model URI {uri!r} holds several model folders: {names}")
     raise FileNotFoundError(f"no config.json at {uri!r} or one level below it")
-
-
-# --- chat format ------------------------------------------------------------------------------
-
-
-class HFChatFormat:
-    """``ChatFormat`` over a tokenizer whose chat template is concatenative (see ``CHAT_TEMPLATE``).
-
-    ``encode_prompt(msgs) + sampled + encode_turn(m) + ...`` equals the token ids of rendering the
-    whole conversation at once, provided the sampled turn ends with the stop token.
-    With ``sanitize_control_tokens=True`` control tokens inside message text (e.g. an environment
-    printing ``<|end|>``) are encoded as plain characters; pass the same flag to
-    ``apply_chat_template`` wherever a whole conversation is encoded.
-
-    Images (vision-language models, ``image_seq_length > 0``): a message's content may be a list
-    of parts ``{"type": "image"}`` / ``{"type": "text", "text": ...}``; the template renders each
-    image part as one ``IMAGE_TOKEN``, which is then repeated ``image_seq_length`` times, so the
-    ids are exactly the sequence the model consumes (one token per image feature, as the model's
-    processor expands it; see ``backends.vlm.image_seq_length``).
-    """
-
-    def __init__(
-        self,
-        tokenizer: PreTrainedTokenizerFast,
-        sanitize_control_tokens: bool = False,
-        image_seq_length: int = 0,
-    ):
-        if tokenizer.eos_token_id is None:
-            raise ValueError("the tokenizer has no eos token to stop generation on")
-        self.tokenizer = tokenizer
-        self.stop_token_ids: list[int] = [int(tokenizer.eos_token_id)]
-        self.image_seq_length = image_seq_length
-        self.image_token_id: int | None = None
-        if image_seq_length > 0:
-            image_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-            if image_id is None or image_id == tokenizer.unk_token_id:
-                raise ValueError(f"image_seq_length is set but the tokenizer has no {IMAGE_TOKEN}")
-            self.image_token_id = int(image_id)
-        # Only pass the flag when set: older transformers releases do not know it.
-        self._template_kwargs = {"sanitize_control_tokens": True} if sanitize_control_tokens else {}
-
-    def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
-        """Opening messages plus the generation prompt, as token ids."""
-        return self._encode(messages)
-
-    def encode_turn(self, message: dict[str, Any]) -> list[int]:
-        """One more (user or tool) message plus the generation prompt, as token ids."""
-        return self._encode([message])
-
-    def decode(self, tokens: list[int]) -> str:
-        """Text of ``tokens`` without special tokens (the stop token is dropped)."""
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-    def _encode(self, messages: list[dict[str, Any]]) -> list[int]:
-        has_parts = any(isinstance(m.get("content"), list) for m in messages)
-        if has_parts and self.image_token_id is None:
-            raise ValueError(
-                "a message carries content parts (images) but this model reads text only; "
-                "use a vision-language model (model.tiny.vision.enabled)"
-            )
-        encoded = self.tokenizer.apply_chat_template(
-            messages,
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-            **self._template_kwargs,
-        )
-        # transformers 5 returns a BatchEncoding by default; be robust to either shape.
-        if isinstance(encoded, Mapping):
-            encoded = encoded["input_ids"]
-        if self.image_token_id is None:
-            return [int(t) for t in encoded]
-        image, n = self.image_token_id, self.image_seq_length
-        return [int(u) for t in encoded for u in ([t] * n if t == image else [t])]

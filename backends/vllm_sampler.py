@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from flowrl.agent_loop.types import SampleResult
+from flowrl.backends.chat import HFChatFormat
 from flowrl.backends.models import load_tokenizer, resolve_model_uri
 from flowrl.backends.types import WorkerSpec
 
@@ -54,7 +55,7 @@ class VLLMSampler:
         self.spec = spec
         self.model_path = resolve_model_uri(spec.model_uri, spec.cache_dir)
         self.tokenizer = load_tokenizer(self.model_path)
-        self.stop_token_ids = [self.tokenizer.eos_token_id]
+        self.stop_token_ids = HFChatFormat.from_folder(self.model_path).stop_token_ids
         lora: dict[str, Any] = {}
         if spec.lora.enabled:
             lora = {"enable_lora": True, "max_lora_rank": spec.lora.r, "max_loras": 1}
@@ -118,7 +119,11 @@ class VLLMSampler:
         logprobs = [
             float(step[tok].logprob) for tok, step in zip(tokens, completion.logprobs, strict=True)
         ]
-        stopped = completion.finish_reason == "stop" and tokens[-1:] == self.stop_token_ids[-1:]
+        stopped = (
+            completion.finish_reason == "stop"
+            and bool(tokens)
+            and tokens[-1] in self.stop_token_ids
+        )
         return SampleResult(tokens, logprobs, "stop" if stopped else "length")
 
     def set_weights(self, weights: tuple[dict[str, torch.Tensor], int]) -> int:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 from pathlib import Path
 
 import torch
@@ -56,7 +55,6 @@ MULTIMODAL_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(_TEXT_CONTENT, _PARTS_CONTENT)
 renders as one ``<image>`` (a literal, so ``sanitize_control_tokens`` keeps "<image>" typed in
 message text as plain characters), ``{"type": "text", "text": ...}`` as its text."""
 
-PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 """Files that hold a processor's settings (beside the tokenizer's own files)."""
 
 
@@ -131,13 +129,6 @@ def image_seq_length(path: str) -> int:
 def _processed_side(processor: LlavaProcessor) -> int:
     crop = getattr(processor.image_processor, "crop_size", None) or {"height": 32}
     return int(crop["height"])
-
-
-def copy_processor_files(src: str, dst: str) -> None:
-    """Copy a model folder's processor settings (``PROCESSOR_FILES``) to another folder."""
-    for name in PROCESSOR_FILES:
-        if (Path(src) / name).is_file():
-            shutil.copyfile(Path(src) / name, Path(dst) / name)
 
 
 def decode_image(data: bytes) -> Image.Image:

@@ -23,7 +23,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
 
-from flowrl.backends.models import HFChatFormat, TinyModelSpec, build_tiny_model, load_tokenizer  # noqa: E402
+from flowrl.backends.chat import HFChatFormat  # noqa: E402
+from flowrl.backends.models import TinyModelSpec, build_tiny_model, load_tokenizer  # noqa: E402
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec  # noqa: E402
 
 TOL = 2e-2  # bf16/fp16 kernels in vLLM vs fp32 in the trainer

@@ -106,10 +106,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(config.model_dump(), sort_keys=False))
         return 0
+    from flowrl.backends.chat import check_chat_template
     from flowrl.backends.models import check_model_source
 
-    try:
-        check_model_source(config.model.source)  # before any server or worker starts
+    try:  # before any server or worker starts
+        check_model_source(config.model.source)
+        check_chat_template(config.model.source, config.model.chat_format)
     except ValueError as err:
         print(f"flowrl: {err}", file=sys.stderr)
         return 2

@@ -12,21 +12,20 @@ from typing import Any
 from flowrl.agent_loop.loop import LoopLimits, run_episodes
 from flowrl.agent_loop.types import SampleResult, Trajectory
 from flowrl.backends.actors import PolicyRef, sampler
-from flowrl.backends.models import HFChatFormat, load_tokenizer, resolve_model_uri
-from flowrl.backends.vlm import image_seq_length
+from flowrl.backends.chat import HFChatFormat, probe
+from flowrl.backends.models import resolve_model_uri
 from flowrl.environments.types import Environment
 from flowrl.tasks.types import EvalResult
 
 
 @lru_cache(maxsize=8)
-def chat_format(model_uri: str, cache_dir: str) -> HFChatFormat:
-    """The policy's chat format (tokenizer and processor settings only: tasks never load
-    weights); a vision-language model's format expands each image to its image tokens."""
-    path = resolve_model_uri(model_uri, cache_dir)
-    # Environment text that happens to contain "<|end|>" stays text, never a control token.
-    return HFChatFormat(
-        load_tokenizer(path), sanitize_control_tokens=True, image_seq_length=image_seq_length(path)
-    )
+def chat_format(model_uri: str, cache_dir: str, name: str = "auto") -> HFChatFormat:
+    """The policy's chat format (tokenizer, template, generation config and processor settings
+    only: tasks never load weights), checked by ``probe`` the first time a job asks for it.
+    Control tokens inside environment text stay text."""
+    chat = HFChatFormat.from_folder(resolve_model_uri(model_uri, cache_dir), chat_format=name)
+    probe(chat)
+    return chat
 
 
 def stable_hash(*parts: Any, length: int = 12) -> str:

@@ -48,7 +48,7 @@ def infer(
         rows = task_cfg.eval_set()[: config.num_prompts]
     else:
         rows = task_cfg.train_source().next_batch(config.num_prompts)
-    chat = chat_format(model_uri, ctx.cache_dir)
+    chat = chat_format(model_uri, ctx.cache_dir, config.model.chat_format)
     limits = config.rollout.limits(greedy=config.greedy)
     trajectories = run_group_episodes(
         task_cfg, rows, config.samples_per_prompt, policy, chat, limits, config.seed, "inf"

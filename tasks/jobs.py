@@ -125,6 +125,11 @@ class ModelSection(_Section):
         "models:/name@alias.",
     )
     tiny: TinyModelSpec = Field(default_factory=TinyModelSpec, description="Tiny model shape.")
+    chat_format: Literal["auto", "flowrl", "chatml", "qwen3", "llama3", "template"] = Field(
+        default="auto",
+        description="Chat template family: auto (detected from the template), flowrl, chatml "
+        "(Qwen2.5), qwen3, llama3, or template (any other; the start-of-job probe decides).",
+    )
     lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA or full RL.")
 
 

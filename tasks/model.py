@@ -36,7 +36,9 @@ def prepare_model(cfg: JobConfig, ctx: JobContext) -> str:
     """The base model's URI: ``model.source`` (a registry alias pinned to the version it names
     now), or a tiny model built once into storage."""
     if cfg.model.source != "tiny":
-        return pin_model_uri(cfg.model.source)
+        uri = pin_model_uri(cfg.model.source)
+        chat_format(uri, ctx.cache_dir, cfg.model.chat_format)  # the probe, before any worker
+        return uri
     storage = Storage(ctx.storage_url)
     spec = cfg.model.tiny
     # A text model's key leaves the (disabled) vision section out: the same key as before it.
@@ -100,7 +102,7 @@ def _sft_until(
     ``warmup.eval_every`` at a time, until held-out accuracy reaches the target or
     ``warmup.max_steps`` are done."""
     next_batch = _demonstrations(cfg, task_cfg)
-    chat = chat_format(base_uri, ctx.cache_dir)
+    chat = chat_format(base_uri, ctx.cache_dir, cfg.model.chat_format)
     greedy = cfg.rollout.limits(greedy=True)
     accuracy, step = 0.0, 0
     while step < cfg.warmup.max_steps:
@@ -214,7 +216,7 @@ def evaluate_model(job: RLJobConfig, model_uri: str) -> float:
     spec = WorkerSpec(model_uri=model_uri, cache_dir=cache_dir, seed=job.seed)
     policy = start_policy(f"eval-{derived_seed(model_uri)}", spec, local=True)
     try:
-        chat = chat_format(model_uri, cache_dir)
+        chat = chat_format(model_uri, cache_dir, job.model.chat_format)
         limits = job.rollout.limits(greedy=True)
         task_cfg = job.env.task(job.seed)
         return evaluate_policy(task_cfg, policy, chat, limits, success=job.env.success).accuracy

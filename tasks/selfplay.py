@@ -42,7 +42,7 @@ def _duel(
     limits = cfg.rollout.limits(greedy=greedy)
     samplers = {a: SeededSampler(p, derived_seed(seed, a)) for a, p in policies.items()}
     envs = [GomokuDuel(cfg.env.task(cfg.seed)) for _ in rows]
-    chat = chat_format(model_uri, ctx.cache_dir)
+    chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format)
     return envs, run_multiagent_episodes(envs, rows, samplers, chat, limits)
 
 

@@ -46,7 +46,7 @@ class SFTChunk:
 
 def sft_datum(chat: Any, messages: list[dict[str, Any]]) -> Datum:
     """A conversation as the agent loop would have produced it: every assistant message is
-    trained on (mask 1) exactly as the sampler emits it (content + stop token); the opening
+    trained on (mask 1) exactly as the sampler emits it (content + end-of-turn token); the opening
     messages and every later user/tool message are injected (mask 0) with ``encode_turn``.
 
     Images: a user/tool message's content may be parts where an image part carries its
@@ -58,8 +58,7 @@ def sft_datum(chat: Any, messages: list[dict[str, Any]]) -> Datum:
     mask = [0] * len(tokens)
     for message in messages[first:]:
         if message["role"] == "assistant":
-            piece = chat.tokenizer.encode(message["content"], add_special_tokens=False)
-            piece, flag = piece + chat.stop_token_ids[:1], 1
+            piece, flag = chat.encode_reply(message["content"]), 1
         else:
             piece, flag = chat.encode_turn(message), 0
         tokens, mask = tokens + piece, mask + [flag] * len(piece)
@@ -151,7 +150,9 @@ def train_steps(
         [row["messages"] for row in source.next_batch(cfg.train.batch_size)]
         for _ in range(num_steps)
     )
-    losses, stats = sft_steps(policy, chat_format(model_uri, ctx.cache_dir), batches)
+    losses, stats = sft_steps(
+        policy, chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format), batches
+    )
     seconds = time.perf_counter() - start
     metrics = {"train/grad_norm": stats["grad_norm"], "time/steps_per_s": num_steps / seconds}
     return SFTChunk(losses, source.state(), seconds, metrics)
@@ -170,7 +171,7 @@ def evaluate_exact_match(
     """Greedy answer to each held-out conversation's last assistant turn; exact match rate
     (after stripping whitespace)."""
     start = time.perf_counter()
-    chat = chat_format(model_uri, ctx.cache_dir)
+    chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format)
     rows = Storage(ctx.storage_url).read_json(data.eval)
     pairs = [_prompt_and_answer(row["messages"]) for row in rows]
     hits = 0

@@ -60,6 +60,15 @@ class ByteChat:
     def encode_turn(self, message: dict[str, str]) -> list[int]:
         return self.encode_message(message) + [ASSISTANT]
 
+    def closing(self, sampled: list[int]) -> list[int]:
+        return [] if sampled[-1:] == [END] else [END]
+
+    def response(self, text: str) -> str:
+        return text
+
+    def encode_reply(self, content: str) -> list[int]:
+        return text_ids(content) + [END]
+
     def render(self, messages: list[dict[str, str]]) -> list[int]:
         """The whole conversation at once (assistant messages carry their own role marker)."""
         return [t for m in messages for t in self.encode_message(m)]

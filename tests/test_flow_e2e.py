@@ -74,8 +74,8 @@ def test_mlflow_run_has_per_step_metrics_and_artifacts(trained):
 
 def test_registered_version_loads_by_uri_and_reproduces_final_accuracy(trained, flowrl_home):
     from flowrl.backends.actors import start_policy, stop_policy
+    from flowrl.backends.chat import HFChatFormat
     from flowrl.backends.models import (
-        HFChatFormat,
         load_causal_lm,
         load_tokenizer,
         resolve_model_uri,

@@ -17,9 +17,9 @@ import pandas as pd
 import pytest
 import torch
 
+from flowrl.backends.chat import HFChatFormat
 from flowrl.backends.mlflow_model import save_chat_model
 from flowrl.backends.models import (
-    HFChatFormat,
     TinyModelSpec,
     build_tiny_model,
     load_causal_lm,

@@ -9,10 +9,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, LlamaForCausalLM
 
+from flowrl.backends.chat import HFChatFormat
 from flowrl.backends.models import (
     CHARSET,
     EOS_TOKEN,
-    HFChatFormat,
     TinyModelSpec,
     build_tiny_model,
     build_tokenizer,

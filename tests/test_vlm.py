@@ -17,10 +17,10 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 from flowrl.agent_loop.loop import LoopLimits, run_episodes
 from flowrl.agent_loop.types import Trajectory
 from flowrl.backends.actors import sampler, start_policy, stop_policy, sync_weights, trainer
+from flowrl.backends.chat import HFChatFormat
 from flowrl.backends.hf_workers import HFSampler, TorchTrainer
 from flowrl.backends.models import (
     IMAGE_TOKEN,
-    HFChatFormat,
     TinyModelSpec,
     TinyVisionSpec,
     build_tiny_model,

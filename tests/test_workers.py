@@ -24,8 +24,8 @@ from flowrl.backends.actors import (
     sync_weights,
     trainer,
 )
+from flowrl.backends.chat import HFChatFormat
 from flowrl.backends.models import (
-    HFChatFormat,
     TinyModelSpec,
     build_tiny_model,
     load_causal_lm,

@@ -1,0 +1,322 @@
+"""Chat formats: any Hugging Face chat template rendered one message at a time, token-exactly.
+
+The agent loop never re-encodes a conversation: it appends the opening prompt, then each
+sampled turn, then each observation, as token ids. That is only correct if the pieces add up to
+what the model's own template renders for the whole conversation. Real templates are not
+concatenative: ChatML writes ``\\n`` after ``<|im_end|>``, Qwen2.5 inserts a default system
+message, Llama 3 opens with BOS and a dated system header. Rendering a message alone repeats or
+drops those. So an observation is rendered as a *suffix*: a fixed base conversation (a user
+message and an assistant reply) plus the new message is rendered whole, and only what follows
+the base reply's end-of-turn token is kept, which is the template's separator after that
+token, the new message and the generation prompt.
+
+Families (``model.chat_format``; ``auto`` picks one from the template, see ``FAMILIES``) differ
+only in what the template does to earlier turns that the loop does not repeat:
+
+- ``qwen3`` drops the ``<think>`` block of an assistant turn that precedes the last user
+  message. The policy keeps its own earlier turns as it sampled them; a sampled turn's text
+  after ``</think>`` is what the environment sees.
+- ``llama3`` trims the whitespace around every message's content; a sampled turn is kept as
+  sampled.
+
+``probe`` checks a template before a job starts: a short conversation with a tool message,
+rendered incrementally and whole, must be the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerFast
+
+from flowrl.backends.models import IMAGE_TOKEN, load_tokenizer, resolve_model_uri
+
+
+class ChatTemplateError(ValueError):
+    """A model's chat template cannot be rendered one message at a time."""
+
+
+@dataclass(frozen=True)
+class ChatFamily:
+    """What flowrl knows about one family of chat templates.
+
+    ``markers``: strings that all appear in a template of the family (``auto`` detection, first
+    match in ``FAMILIES`` order). ``end_of_turn``: the token the template writes after an
+    assistant message; a template of the family that ends assistant turns otherwise is refused.
+    ``thinking``: sampled turns may open with a ``<think>…</think>`` block that the environment
+    does not see.
+    """
+
+    name: str
+    markers: tuple[str, ...]
+    end_of_turn: str | None
+    thinking: bool = False
+
+
+FAMILIES: tuple[ChatFamily, ...] = (
+    ChatFamily("flowrl", ("<|assistant|>", "<|end|>"), "<|end|>"),
+    ChatFamily("qwen3", ("<|im_start|>", "<think>"), "<|im_end|>", thinking=True),
+    ChatFamily("chatml", ("<|im_start|>",), "<|im_end|>"),
+    ChatFamily("llama3", ("<|start_header_id|>", "<|eot_id|>"), "<|eot_id|>"),
+)
+"""The families the README names as supported. Any other template is ``template``: rendered the
+same generic way, and accepted when ``probe`` finds it exact."""
+GENERIC = ChatFamily("template", (), None)
+CHAT_FORMATS = ("auto", *(f.name for f in FAMILIES), GENERIC.name)
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+_BASE_REPLY = "flowrl base reply"
+_BASE = ({"role": "user", "content": "flowrl base message"},)
+PROBE_CONVERSATION: tuple[dict[str, str], ...] = (
+    {"role": "system", "content": "You answer with the calculator."},
+    {"role": "user", "content": "What is 12 + 30?"},
+    {"role": "assistant", "content": "I will ask the calculator."},
+    {"role": "tool", "content": "42"},
+    {"role": "assistant", "content": "12 + 30 is 42."},
+    {"role": "user", "content": "And 5 times 7?"},
+)
+"""Rendered incrementally and whole by ``probe``: a system prompt, three user-side turns (one a
+tool result) and two assistant turns."""
+
+
+def detect_family(template: str) -> ChatFamily:
+    """The first of ``FAMILIES`` whose markers all appear in ``template``, else ``GENERIC``."""
+    for family in FAMILIES:
+        if all(marker in template for marker in family.markers):
+            return family
+    return GENERIC
+
+
+def family_named(name: str, template: str) -> ChatFamily:
+    """``model.chat_format``: ``auto`` detects the family; a name picks it (``template``:
+    generic)."""
+    if name == "auto":
+        return detect_family(template)
+    for family in (*FAMILIES, GENERIC):
+        if family.name == name:
+            return family
+    raise ValueError(f"unknown chat_format {name!r}; choose one of {CHAT_FORMATS}")
+
+
+def generation_eos_ids(path: str) -> list[int]:
+    """``eos_token_id`` of the folder's ``generation_config.json`` (an int or a list), else []."""
+    file = Path(path) / "generation_config.json"
+    if not file.is_file():
+        return []
+    eos = json.loads(file.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(t) for t in (eos if isinstance(eos, list) else [eos])]
+
+
+class HFChatFormat:
+    """``ChatFormat`` over any Hugging Face chat template (see the module docstring).
+
+    ``encode_prompt(opening) + sampled + closing(sampled) + encode_turn(m) + ...`` equals the
+    token ids the template renders for the whole conversation (up to each family's documented
+    difference). ``stop_token_ids``: the template's end-of-turn token first, then every other
+    ``eos_token_id`` of ``generation_config.json`` and the tokenizer's eos.
+
+    With ``sanitize_control_tokens=True`` control tokens inside message text (an environment
+    printing ``<|im_end|>``) are encoded as plain characters.
+
+    Images (vision-language models, ``image_seq_length > 0``): a message's content may be a list
+    of parts ``{"type": "image"}`` / ``{"type": "text", "text": ...}``; the template renders each
+    image part as one ``IMAGE_TOKEN``, which is then repeated ``image_seq_length`` times, so the
+    ids are exactly the sequence the model consumes.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerFast,
+        sanitize_control_tokens: bool = False,
+        image_seq_length: int = 0,
+        chat_format: str = "auto",
+        eos_token_ids: list[int] | tuple[int, ...] = (),
+        name: str = "the model",
+    ):
+        if not tokenizer.chat_template:
+            raise ChatTemplateError(f"{name}: the tokenizer has no chat template")
+        self.tokenizer = tokenizer
+        self.name = name
+        self.family = family_named(chat_format, tokenizer.chat_template)
+        self.image_seq_length = image_seq_length
+        self.image_token_id: int | None = None
+        if image_seq_length > 0:
+            image_id = tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+            if image_id is None or image_id == tokenizer.unk_token_id:
+                raise ValueError(f"image_seq_length is set but the tokenizer has no {IMAGE_TOKEN}")
+            self.image_token_id = int(image_id)
+        # Only pass the flag when set: older transformers releases do not know it.
+        self._template_kwargs = {"sanitize_control_tokens": True} if sanitize_control_tokens else {}
+        self.end_of_turn = self._end_of_turn_token()
+        self.end_of_turn_id = int(tokenizer.convert_tokens_to_ids(self.end_of_turn))
+        stops = [self.end_of_turn_id, *eos_token_ids]
+        if tokenizer.eos_token_id is not None:
+            stops.append(int(tokenizer.eos_token_id))
+        self.stop_token_ids: list[int] = list(dict.fromkeys(stops))
+
+    @classmethod
+    def from_folder(
+        cls, path: str, chat_format: str = "auto", sanitize_control_tokens: bool = True
+    ) -> HFChatFormat:
+        """The format of a local model folder: its tokenizer, template and generation config."""
+        from flowrl.backends.vlm import image_seq_length  # vlm builds on backends.models
+
+        return cls(
+            load_tokenizer(path),
+            sanitize_control_tokens=sanitize_control_tokens,
+            image_seq_length=image_seq_length(path),
+            chat_format=chat_format,
+            eos_token_ids=generation_eos_ids(path),
+            name=f"model folder {path}",
+        )
+
+    # ------------------------------------------------------------------ the ChatFormat protocol
+
+    def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """Opening messages plus the generation prompt, as token ids (BOS, default system
+        message and all, exactly as the template renders them)."""
+        return self._expand(self._render_ids(messages, generation_prompt=True))
+
+    def encode_turn(self, message: dict[str, Any]) -> list[int]:
+        """What follows a sampled turn's end-of-turn token: the template's separator, ``message``
+        (user or tool) and the generation prompt."""
+        conversation = [*_BASE, {"role": "assistant", "content": _BASE_REPLY}, message]
+        text = self._render_text(conversation, generation_prompt=True)
+        start = text.index(_BASE_REPLY) + len(_BASE_REPLY)
+        if not text.startswith(self.end_of_turn, start):
+            raise ChatTemplateError(
+                f"{self.name}: the template does not end an assistant turn with "
+                f"{self.end_of_turn!r} when a {message.get('role')!r} message follows"
+            )
+        base = self._encode_text(text[: start + len(self.end_of_turn)])
+        ids = self._render_ids(conversation, generation_prompt=True)
+        if ids[: len(base)] != base:
+            raise ChatTemplateError(
+                f"{self.name}: the template renders the conversation before a new "
+                f"{message.get('role')!r} message differently once it is added"
+            )
+        return self._expand(ids[len(base) :])
+
+    def closing(self, sampled: list[int]) -> list[int]:
+        """Injected (mask 0) after a sampled turn that did not end with the template's
+        end-of-turn token (cut by the length budget, or stopped on another eos id)."""
+        return [] if sampled[-1:] == [self.end_of_turn_id] else [self.end_of_turn_id]
+
+    def decode(self, tokens: list[int]) -> str:
+        """Text of ``tokens`` without special tokens (a stop token is dropped)."""
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def response(self, text: str) -> str:
+        """What the environment sees of a sampled turn: for a thinking family the text after
+        the last ``</think>``, else the whole text."""
+        if self.family.thinking and THINK_CLOSE in text:
+            return text.rsplit(THINK_CLOSE, 1)[1].lstrip("\n")
+        return text
+
+    def encode_reply(self, content: str) -> list[int]:
+        """An assistant message's content as the sampler would emit it, end-of-turn included
+        (SFT targets; no BOS)."""
+        return self._encode_text(content) + [self.end_of_turn_id]
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _end_of_turn_token(self) -> str:
+        conversation = [*_BASE, {"role": "assistant", "content": _BASE_REPLY}]
+        text = self._render_text(conversation, generation_prompt=False)
+        after = text[text.index(_BASE_REPLY) + len(_BASE_REPLY) :]
+        added = sorted(self.tokenizer.get_added_vocab(), key=len, reverse=True)
+        found = next((t for t in added if after.startswith(t)), None)
+        if found is None:
+            raise ChatTemplateError(
+                f"{self.name}: the template writes no special end-of-turn token after an "
+                f"assistant message (it writes {after[:20]!r}); flowrl cannot tell where a "
+                "sampled turn ends"
+            )
+        expected = self.family.end_of_turn
+        if expected is not None and found != expected:
+            raise ChatTemplateError(
+                f"{self.name}: chat_format {self.family.name!r} ends an assistant turn with "
+                f"{expected!r}, but this template writes {found!r}; set model.chat_format: auto"
+            )
+        return found
+
+    def _render_text(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=generation_prompt, tokenize=False
+        )
+
+    def _render_ids(self, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+        has_parts = any(isinstance(m.get("content"), list) for m in messages)
+        if has_parts and self.image_token_id is None:
+            raise ValueError(
+                "a message carries content parts (images) but this model reads text only; "
+                "use a vision-language model (model.tiny.vision.enabled)"
+            )
+        encoded = self.tokenizer.apply_chat_template(
+            messages,
+            add_generation_prompt=generation_prompt,
+            tokenize=True,
+            return_dict=False,
+            **self._template_kwargs,
+        )
+        # transformers 5 returns a BatchEncoding by default; be robust to either shape.
+        if isinstance(encoded, Mapping):
+            encoded = encoded["input_ids"]
+        return [int(t) for t in encoded]
+
+    def _encode_text(self, text: str) -> list[int]:
+        return [int(t) for t in self.tokenizer.encode(text, add_special_tokens=False)]
+
+    def _expand(self, ids: list[int]) -> list[int]:
+        if self.image_token_id is None:
+            return ids
+        image, n = self.image_token_id, self.image_seq_length
+        return [u for t in ids for u in ([t] * n if t == image else [t])]
+
+
+def probe(chat: HFChatFormat) -> None:
+    """Refuse a template that flowrl cannot render one message at a time: render
+    ``PROBE_CONVERSATION`` incrementally (as the agent loop does) and whole; any difference
+    raises ``ChatTemplateError`` naming the model and showing the first differing position,
+    decoded on both sides."""
+    messages = list(PROBE_CONVERSATION)
+    first_reply = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    incremental = chat.encode_prompt(messages[:first_reply])
+    for message in messages[first_reply:]:
+        if message["role"] == "assistant":
+            incremental += chat.encode_reply(message["content"])
+        else:
+            incremental += chat.encode_turn(message)
+    whole = chat.encode_prompt(messages)
+    if incremental == whole:
+        return
+    at = next(
+        (i for i, (a, b) in enumerate(zip(incremental, whole, strict=False)) if a != b),
+        min(len(incremental), len(whole)),
+    )
+
+    def around(ids: list[int]) -> str:
+        return repr(chat.tokenizer.decode(ids[max(0, at - 8) : at + 8]))
+
+    raise ChatTemplateError(
+        f"{chat.name}: its chat template cannot be rendered one message at a time "
+        f"(chat_format {chat.family.name!r}); rendered incrementally and whole, a "
+        f"{len(PROBE_CONVERSATION)}-message conversation first differs at token {at}: "
+        f"incremental {around(incremental)}, whole {around(whole)}. flowrl trains on the "
+        "incremental tokens, so the model would see a conversation its template never writes"
+    )
+
+
+def check_chat_template(uri: str, chat_format: str = "auto") -> None:
+    """Before a job starts: ``probe`` the chat template of a local ``model.source`` folder
+    (``tiny`` is flowrl's own format; a remote or registry source is probed where the job
+    fetches it). Raises ``ChatTemplateError`` naming the folder and the first difference."""
+    if uri == "tiny" or ("://" in uri and not uri.startswith("file://")):
+        return
+    probe(HFChatFormat.from_folder(resolve_model_uri(uri, cache_dir=""), chat_format))

@@ -1,0 +1,317 @@
+"""Tiny offline models of public chat-model families, built in seconds for tests.
+
+Each fixture is a plain Hugging Face folder: a random-weight model of the family's
+architecture (Qwen2, Qwen3, Llama), a byte-level BPE tokenizer trained here with ``tokenizers``
+(the family's special tokens, and its tool/think tags as added non-special tokens), a chat
+template written from the family's public format description, and a ``generation_config.json``
+listing the family's eos ids. Nothing is downloaded.
+
+- ``chatml`` (Qwen2.5 style): a default system message when the conversation has none;
+  ``<|im_start|>role\\n…<|im_end|>\\n``; tool results as a user turn wrapped in
+  ``<tool_response>``; eos ids ``<|im_end|>`` and ``<|endoftext|>``.
+- ``qwen3``: ChatML without a default system message; an assistant turn's ``<think>`` block is
+  kept only after the last user message (and the final assistant turn always gets one).
+- ``llama3`` (3.1 style): BOS in the template (and, like the real tokenizer, added by
+  ``encode``), a system header with a knowledge date, contents trimmed, tool results in an
+  ``ipython`` turn, ``<|eot_id|>`` after every message; no pad token; eos ids
+  ``<|end_of_text|>``, ``<|eom_id|>``, ``<|eot_id|>``.
+
+``teach`` makes a fixture answer every prompt with one fixed reply (greedy), so that real
+sampling produces canonical, multi-turn episodes whose text re-renders to the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+CHATML_TEMPLATE = r"""
+{%- if messages[0].role == 'system' -%}
+{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' -}}
+{%- else -%}
+{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' -}}
+{%- endif -%}
+{%- for message in messages -%}
+{%- if message.role == 'system' and loop.first -%}
+{%- elif message.role == 'user' or message.role == 'system' -%}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}
+{%- elif message.role == 'assistant' -%}
+{{- '<|im_start|>assistant\n' + message.content + '<|im_end|>\n' -}}
+{%- elif message.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' -}}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
+"""
+
+QWEN3_TEMPLATE = r"""
+{%- set ns = namespace(last_query=-1) -%}
+{%- for message in messages -%}
+{%- if message.role == 'user' and not message.content.startswith('<tool_response>') -%}
+{%- set ns.last_query = loop.index0 -%}
+{%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+{%- if message.role == 'user' or message.role == 'system' -%}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}
+{%- elif message.role == 'assistant' -%}
+{%- set content = message.content -%}
+{%- set reasoning = '' -%}
+{%- if '</think>' in content -%}
+{%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') -%}
+{%- set content = content.split('</think>')[-1].lstrip('\n') -%}
+{%- endif -%}
+{%- if loop.index0 > ns.last_query and (loop.last or reasoning) -%}
+{{- '<|im_start|>assistant\n<think>\n' + reasoning.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') -}}
+{%- else -%}
+{{- '<|im_start|>assistant\n' + content -}}
+{%- endif -%}
+{{- '<|im_end|>\n' -}}
+{%- elif message.role == 'tool' -%}
+{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
+{{- '\n<tool_response>\n' + message.content + '\n</tool_response>' -}}
+{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+{{- '<|im_start|>assistant\n' -}}
+{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}
+{%- endif -%}
+"""
+
+LLAMA3_TEMPLATE = r"""
+{{- bos_token -}}
+{%- if messages[0].role == 'system' -%}
+{%- set system = messages[0].content | trim -%}
+{%- set rest = messages[1:] -%}
+{%- else -%}
+{%- set system = '' -%}
+{%- set rest = messages -%}
+{%- endif -%}
+{{- '<|start_header_id|>system<|end_header_id|>\n\n' -}}
+{{- 'Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n' -}}
+{{- system + '<|eot_id|>' -}}
+{%- for message in rest -%}
+{%- if message.role == 'tool' or message.role == 'ipython' -%}
+{{- '<|start_header_id|>ipython<|end_header_id|>\n\n' + message.content | trim + '<|eot_id|>' -}}
+{%- else -%}
+{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + message.content | trim + '<|eot_id|>' -}}
+{%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{%- endif -%}
+"""
+
+COUNTING_TEMPLATE = r"""
+{{- '<|im_start|>system\nThis conversation has ' + (messages | length | string) + ' messages.<|im_end|>\n' -}}
+{%- for message in messages -%}
+{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
+"""
+"""A template that cannot be rendered incrementally: its system line counts the messages."""
+
+TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
+
+@dataclass(frozen=True)
+class Family:
+    """How to build one family's fixture."""
+
+    name: str
+    architecture: str
+    specials: tuple[str, ...]
+    """Special tokens, in id order (ids 0..n-1)."""
+    tags: tuple[str, ...]
+    """Added non-special tokens (decoded with the text)."""
+    template: str
+    eos: str
+    """The tokenizer's eos token (what an instruct model's tokenizer_config names)."""
+    generation_eos: tuple[str, ...]
+    pad: str | None
+    bos: str | None = None
+    bos_in_encode: bool = False
+    """The tokenizer's post-processor prepends BOS on ``encode`` (Llama 3's does)."""
+
+
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+LLAMA_SPECIALS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",
+    "<|eot_id|>",
+    "<|python_tag|>",
+)
+FAMILIES: dict[str, Family] = {
+    "chatml": Family(
+        "chatml",
+        "qwen2",
+        QWEN_SPECIALS,
+        TAGS,
+        CHATML_TEMPLATE,
+        eos="<|im_end|>",
+        generation_eos=("<|im_end|>", "<|endoftext|>"),
+        pad="<|endoftext|>",
+    ),
+    "qwen3": Family(
+        "qwen3",
+        "qwen3",
+        QWEN_SPECIALS,
+        (*TAGS, "<think>", "</think>"),
+        QWEN3_TEMPLATE,
+        eos="<|im_end|>",
+        generation_eos=("<|im_end|>", "<|endoftext|>"),
+        pad="<|endoftext|>",
+    ),
+    "llama3": Family(
+        "llama3",
+        "llama",
+        LLAMA_SPECIALS,
+        (),
+        LLAMA3_TEMPLATE,
+        eos="<|eot_id|>",
+        generation_eos=("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"),
+        pad=None,
+        bos="<|begin_of_text|>",
+        bos_in_encode=True,
+    ),
+}
+BROKEN = Family(
+    "counting",
+    "qwen2",
+    QWEN_SPECIALS,
+    TAGS,
+    COUNTING_TEMPLATE,
+    eos="<|im_end|>",
+    generation_eos=("<|im_end|>",),
+    pad="<|endoftext|>",
+)
+
+_CORPUS = [
+    "You are a helpful assistant. Answer with the calculator when it helps.",
+    "What is 12 * 34? Use the calculator: <tool_call>{\"expr\": \"12*34\"}</tool_call>",
+    "The answer is 408. error: at most 2 calls. invalid: write row,col",
+    "Board:\n . X O\n O . X\n . . .\nYour move (row,col):",
+    "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024",
+    "<think>\nI add the numbers.\n</think>\n\n0123456789 + - * / = ( ) , . : ; ! ?",
+    "system user assistant tool ipython think response call expr",
+]
+
+
+def build_tokenizer(family: Family, vocab_size: int = 700) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer with the family's special tokens (ids first) and tags."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(family.specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in family.tags])
+    if family.bos_in_encode:
+        bos_id = backend.token_to_id(family.bos)
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{family.bos} $A", pair=f"{family.bos} $A $B", special_tokens=[(family.bos, bos_id)]
+        )
+    else:
+        backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    extra: dict[str, Any] = {"pad_token": family.pad} if family.pad else {}
+    if family.bos:
+        extra["bos_token"] = family.bos
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=family.eos,
+        chat_template=family.template.strip(),
+        clean_up_tokenization_spaces=False,
+        **extra,
+    )
+
+
+def build_family(family: Family, out_dir: str | Path, seed: int = 0) -> str:
+    """Write the family's tiny random-weight model, tokenizer, template and generation config
+    to ``out_dir``; returns it."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(family)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (*family.specials, *family.tags)}
+    eos_ids = [ids[t] for t in family.generation_eos]
+    shape = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=ids.get(family.bos) if family.bos else None,
+        eos_token_id=eos_ids[0],
+        pad_token_id=ids.get(family.pad) if family.pad else None,
+    )
+    config_cls, model_cls = {
+        "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+        "qwen3": (Qwen3Config, Qwen3ForCausalLM),
+        "llama": (LlamaConfig, LlamaForCausalLM),
+    }[family.architecture]
+    if family.architecture == "qwen3":
+        shape["head_dim"] = 16
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_cls(config_cls(**shape))
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    generation = {"eos_token_id": eos_ids, "do_sample": True, "temperature": 0.7}
+    if family.bos:
+        generation["bos_token_id"] = ids[family.bos]
+    if family.pad:
+        generation["pad_token_id"] = ids[family.pad]
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return str(out)
+
+
+def teach(folder: str, conversations: list[list[int]], masks: list[list[int]], steps: int = 150):
+    """Fit the model in ``folder`` to the mask-1 tokens of ``conversations`` (plain AdamW,
+    full batch) and save it back: a fixture that answers its episodes' prompts as taught."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.train()
+    width = max(len(c) for c in conversations)
+    ids = torch.zeros((len(conversations), width), dtype=torch.long)
+    attention = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i, (tokens, mask) in enumerate(zip(conversations, masks, strict=True)):
+        ids[i, : len(tokens)] = torch.tensor(tokens)
+        attention[i, : len(tokens)] = 1
+        labels[i, : len(tokens)] = torch.tensor([t if m else -100 for t, m in zip(tokens, mask)])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        for _ in range(steps):
+            loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    model.eval()
+    model.save_pretrained(folder)
+    return float(loss.detach())
