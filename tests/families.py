@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (the chat templates are data, one Jinja statement per line)
 """Tiny offline models of public chat-model families, built in seconds for tests.
 
 Each fixture is a plain Hugging Face folder: a random-weight model of the family's
@@ -206,7 +207,7 @@ BROKEN = Family(
 
 _CORPUS = [
     "You are a helpful assistant. Answer with the calculator when it helps.",
-    "What is 12 * 34? Use the calculator: <tool_call>{\"expr\": \"12*34\"}</tool_call>",
+    'What is 12 * 34? Use the calculator: <tool_call>{"expr": "12*34"}</tool_call>',
     "The answer is 408. error: at most 2 calls. invalid: write row,col",
     "Board:\n . X O\n O . X\n . . .\nYour move (row,col):",
     "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024",
@@ -231,7 +232,9 @@ def build_tokenizer(family: Family, vocab_size: int = 700) -> PreTrainedTokenize
     if family.bos_in_encode:
         bos_id = backend.token_to_id(family.bos)
         backend.post_processor = processors.TemplateProcessing(
-            single=f"{family.bos} $A", pair=f"{family.bos} $A $B", special_tokens=[(family.bos, bos_id)]
+            single=f"{family.bos} $A",
+            pair=f"{family.bos} $A $B",
+            special_tokens=[(family.bos, bos_id)],
         )
     else:
         backend.post_processor = processors.ByteLevel(trim_offsets=False)
@@ -303,7 +306,9 @@ def teach(folder: str, conversations: list[list[int]], masks: list[list[int]], s
     for i, (tokens, mask) in enumerate(zip(conversations, masks, strict=True)):
         ids[i, : len(tokens)] = torch.tensor(tokens)
         attention[i, : len(tokens)] = 1
-        labels[i, : len(tokens)] = torch.tensor([t if m else -100 for t, m in zip(tokens, mask)])
+        labels[i, : len(tokens)] = torch.tensor(
+            [t if m else -100 for t, m in zip(tokens, mask, strict=True)]
+        )
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)

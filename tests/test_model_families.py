@@ -22,6 +22,7 @@ from flowrl.backends.chat import (
 )
 from flowrl.backends.hf_workers import HFSampler
 from flowrl.backends.types import Datum, WorkerSpec
+from flowrl.cli import main
 from flowrl.environments.plugin import first_user_message
 from flowrl.environments.registry import make_env, make_task
 from flowrl.tasks.sft import sft_datum
@@ -46,7 +47,9 @@ def scripted(chat: HFChatFormat, env_name: str, params: dict, reply: str, turns:
     (tokens, mask): the target a fixture is taught."""
     env = make_env(env_name, params)
     row = make_task(env_name, params).eval_set()[0]
-    opening = [{"role": "system", "content": env.get_system_prompt()}] if env.get_system_prompt() else []
+    opening = (
+        [{"role": "system", "content": env.get_system_prompt()}] if env.get_system_prompt() else []
+    )
     opening.append({"role": "user", "content": first_user_message(env, env.reset(**row))})
     messages = [*opening]
     for _ in range(turns):
@@ -54,7 +57,9 @@ def scripted(chat: HFChatFormat, env_name: str, params: dict, reply: str, turns:
         step = env.step(chat.response(reply))
         if step.done:
             break
-        messages.append({"role": step.info.get("observation_role", "user"), "content": step.observation})
+        messages.append(
+            {"role": step.info.get("observation_role", "user"), "content": step.observation}
+        )
     datum = sft_datum(chat, messages)
     return datum.tokens, datum.loss_mask
 
@@ -190,13 +195,17 @@ def test_sampler_and_trainer_logprobs_agree_after_a_weight_sync(family, tmp_path
         stop_policy(ref)
 
 
-def test_a_template_that_cannot_render_incrementally_is_refused(tmp_path):
+def test_a_template_that_cannot_render_incrementally_is_refused(tmp_path, monkeypatch, capsys):
     folder = build_family(BROKEN, tmp_path / "counting")
     with pytest.raises(ChatTemplateError) as err:
         check_chat_template(folder)
     message = str(err.value)
     assert folder in message and "first differs at token" in message
     assert "has 2 message" in message and "has 6 messag" in message  # decoded, both sides
+    monkeypatch.setenv("FLOWRL_HOME", str(tmp_path / "home"))
+    assert main(["train", str(CONFIG), "--set", f"model.source={folder}"]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "home").exists()  # refused before any store, server or worker
     for name in FAMILIES:  # the supported families pass the same probe
         probe(HFChatFormat.from_folder(build_family(FAMILIES[name], tmp_path / name)))
 
@@ -245,9 +254,7 @@ print("RESULTS " + json.dumps(results))
 """
 
 
-def test_an_rl_job_trains_each_family_from_a_folder_and_from_s3_and_registers_it(
-    moto_s3, tmp_path
-):
+def test_an_rl_job_trains_each_family_from_a_folder_and_from_s3_and_registers_it(moto_s3, tmp_path):
     """Six short multi-turn tool_math jobs (three families x local folder / s3:// copy on moto)
     in one Python process; each registered version reloads with its base's tokenizer, chat
     template and generation config."""
