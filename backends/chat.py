@@ -14,8 +14,9 @@ Families (``model.chat_format``; ``auto`` picks one from the template, see ``FAM
 only in what the template does to earlier turns that the loop does not repeat:
 
 - ``qwen3`` drops the ``<think>`` block of an assistant turn that precedes the last user
-  message. The policy keeps its own earlier turns as it sampled them; a sampled turn's text
-  after ``</think>`` is what the environment sees.
+  message (and gives the final assistant turn an empty one when it has none). The policy keeps
+  its own earlier turns as it sampled them; a sampled turn's text after ``</think>`` is what the
+  environment sees.
 - ``llama3`` trims the whitespace around every message's content; a sampled turn is kept as
   sampled.
 

@@ -29,6 +29,7 @@ SLOW_MODULES = (
     "test_deployments.py",  # ~370 s: every deployment through the worker, its own stack
     "test_plugins.py",  # ~380 s: six jobs of a user's environment, the README example
     "test_stack.py",  # ~215 s: the whole local stack, lease expiry, load test
+    "test_model_families.py",  # ~230 s: six RL jobs of three model families, local and S3
     "test_flow_e2e.py",  # ~180 s: an 80-step RL job
     "test_resume_kill.py",  # ~130 s: two training processes
     "test_flow_s3.py",  # ~115 s: a 20 s S3 outage mid-checkpoint
