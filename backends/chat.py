@@ -27,6 +27,7 @@ rendered incrementally and whole, must be the same tokens.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,6 +155,15 @@ class HFChatFormat:
             self.image_token_id = int(image_id)
         # Only pass the flag when set: older transformers releases do not know it.
         self._template_kwargs = {"sanitize_control_tokens": True} if sanitize_control_tokens else {}
+        self._sanitize = sanitize_control_tokens
+        specials = sorted(
+            (t.content for t in tokenizer.added_tokens_decoder.values() if t.special),
+            key=len,
+            reverse=True,
+        )
+        self._control = re.compile(
+            "(" + "|".join(map(re.escape, specials)) + ")" if specials else "(?!)"
+        )
         self.end_of_turn = self._end_of_turn_token()
         self.end_of_turn_id = int(tokenizer.convert_tokens_to_ids(self.end_of_turn))
         stops = [self.end_of_turn_id, *eos_token_ids]
@@ -222,8 +232,18 @@ class HFChatFormat:
 
     def encode_reply(self, content: str) -> list[int]:
         """An assistant message's content as the sampler would emit it, end-of-turn included
-        (SFT targets; no BOS)."""
-        return self._encode_text(content) + [self.end_of_turn_id]
+        (SFT targets; no BOS). Sanitized, a special token written inside the content (an SFT
+        row holding ``<|im_end|><|im_start|>user``) is encoded as characters, as in
+        observations, so data can never inject control tokens with loss mask 1."""
+        if not self._sanitize:
+            return self._encode_text(content) + [self.end_of_turn_id]
+        ids: list[int] = []
+        for i, piece in enumerate(self._control.split(content)):
+            if i % 2 == 0:
+                ids += self._encode_text(piece)
+            else:  # split so that neither half is the control token itself
+                ids += self._encode_text(piece[:1]) + self._encode_text(piece[1:])
+        return ids + [self.end_of_turn_id]
 
     # ------------------------------------------------------------------------------ internals
 

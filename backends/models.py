@@ -251,6 +251,15 @@ def pad_id(tokenizer: PreTrainedTokenizerFast) -> int:
     return 0
 
 
+def model_positions(path: str) -> int | None:
+    """``max_position_embeddings`` of a local model folder (a VLM's text model's), if stated."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    positions = config.get("max_position_embeddings")
+    if positions is None:
+        positions = (config.get("text_config") or {}).get("max_position_embeddings")
+    return int(positions) if positions is not None else None
+
+
 def load_causal_lm(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """Load a causal LM from a local HF folder, in eval mode; a vision-language folder (its
     config has a ``vision_config``, e.g. LLaVA) loads as ``AutoModelForImageTextToText``."""

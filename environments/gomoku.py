@@ -38,7 +38,7 @@ EMPTY, PLAYER_X, PLAYER_O = 0, 1, 2
 MARKS = {EMPTY: ".", PLAYER_X: "X", PLAYER_O: "O"}
 DIRECTIONS = ((0, 1), (1, 0), (1, 1), (1, -1))
 Move = tuple[int, int]
-_MOVE = re.compile(r"\s*(\d{1,2})\s*,\s*(\d{1,2})\s*")
+_MOVE = re.compile(r"\s*(\d{1,2})\s*,\s*(\d{1,2})\s*", re.ASCII)  # ASCII digits only
 _CELL = re.compile(r"\s*([1-9])\s*")
 MoveFormat = Literal["row,col", "cell"]
 

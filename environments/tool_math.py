@@ -38,7 +38,10 @@ CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 DEFAULT_SYSTEM_PROMPT = 'Tool: <tool_call>{"expr": "2*3"}</tool_call> then answer.'
 """Short on purpose: the tiny policy is char-level and every character costs context."""
 _CALL = re.compile(re.escape(CALL_OPEN) + r"(.*?)" + re.escape(CALL_CLOSE), re.DOTALL)
-_INTEGER = re.compile(r"-?\d+")
+_INTEGER = re.compile(r"-?\d+", re.ASCII)
+MAX_CALL_CHARS = 1000
+"""Longest JSON payload of one call that is parsed at all (the expression itself is at most
+``calculator.MAX_EXPR_CHARS``)."""
 ProblemForm = Literal["a*b", "a+b*c"]
 
 
@@ -57,9 +60,11 @@ def parse_tool_call(action: str) -> str | None:
         raise CalculatorError(f"malformed call: write {CALL_OPEN}{{...}}{CALL_CLOSE}")
     if len(calls) > 1:
         raise CalculatorError("one tool call per turn")
+    if len(calls[0]) > MAX_CALL_CHARS:
+        raise CalculatorError(f"call too long ({len(calls[0])} > {MAX_CALL_CHARS} characters)")
     try:
         payload = json.loads(calls[0])
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):  # bad JSON, a 4,300-digit number, a deep nest
         raise CalculatorError('bad JSON: write {"expr": "..."}') from None
     if not isinstance(payload, dict):
         raise CalculatorError('bad call: write {"expr": "..."}')

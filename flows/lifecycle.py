@@ -23,7 +23,9 @@ from tqdm import tqdm
 
 from flowrl.backends.actors import PolicyRef, stop_policy
 from flowrl.backends.types import WorkerSpec
+from flowrl.environments.remote import stop_env_pool
 from flowrl.infra import tracking
+from flowrl.infra.redact import redact
 from flowrl.infra.scheduler import gpu_slots
 from flowrl.infra.settings import get_settings, worker_environment
 from flowrl.infra.storage import Storage
@@ -96,7 +98,7 @@ class JobRun:
         previous = None
         if self.resume and self.storage.exists(job_file):
             previous = self.storage.read_json(job_file).get("mlflow_run_id")
-        params = self.config.model_dump()
+        params = redact(self.config.model_dump(mode="json"))
         run_id = tracking.start_run(self.config.experiment, self.config.name, params, previous)
         self.storage.write_json(job_file, {"mlflow_run_id": run_id, "config": params})
         return run_id
@@ -104,6 +106,9 @@ class JobRun:
     def _stop_workers(self) -> None:
         for policy in self._policies:
             stop_policy(policy)
+        env = getattr(self.config, "env", None)
+        if env is not None and env.mode == "ray":  # the job's detached environment actors
+            stop_env_pool(f"{self.ctx.run_name}-envs", env.ray_actors)
         if self._bar is not None:
             self._bar.close()
 
@@ -165,7 +170,7 @@ class JobRun:
         default ``curves``, and a link to the MLflow run), end the MLflow run."""
         if curves:
             tracking.log_reward_curve(self.run_id, list(curves), plot)
-        record = dataclasses.asdict(result)
+        record = redact(dataclasses.asdict(result))
         self.storage.write_json(f"{self.ctx.prefix}/result.json", record)
         self._prefect_artifacts(record, table if table is not None else curves)
         tracking.end_run(self.run_id)

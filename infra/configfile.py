@@ -42,7 +42,7 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
         key, sep, raw = pair.partition("=")
         if not sep or not key.strip():
             raise ConfigError(f"--set {pair!r}: expected key=value")
-        _set_dotted(data, key.strip(), yaml.safe_load(raw))
+        _set_dotted(data, key.strip(), parse_yaml(raw, f"--set {key.strip()}"))
     return data
 
 
@@ -77,12 +77,55 @@ def resolve_config_path(path: str | Path) -> Path:
     )
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key written twice in one mapping (plain YAML lets the
+    last one silently win)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, list | dict):
+                raise yaml.constructor.ConstructorError(
+                    None, None, "a mapping key must be a scalar", key_node.start_mark
+                )
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    f"key {key!r} first written on line {seen[key] + 1}",
+                    None,
+                    f"duplicate key {key!r}",
+                    key_node.start_mark,
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
+
+
+def parse_yaml(text: str, where: str) -> Any:
+    """YAML text (safe tags only, no duplicate keys); ``ConfigError`` naming ``where`` and the
+    line otherwise."""
+    try:
+        return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        line = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = err.problem or err.context or "not valid YAML"
+        raise ConfigError(f"{where}:{line}: {problem}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{where}: not valid YAML: {err}") from None
+
+
 def read_mapping(path: str | Path | None, overrides: list[str] | None = None) -> dict[str, Any]:
     """A YAML file's top-level mapping (``{}`` for no file) with ``--set`` overrides applied."""
     data: dict[str, Any] = {}
     if path is not None:
         p = resolve_config_path(path)
-        loaded = yaml.safe_load(p.read_text()) or {}
+        raw = p.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = raw[: err.start].count(b"\n") + 1
+            raise ConfigError(f"{p}: line {line}: not UTF-8 (byte {err.start})") from None
+        loaded = parse_yaml(text, str(p)) or {}
         if not isinstance(loaded, dict):
             raise ConfigError(f"{p}: expected a mapping at the top level")
         data = loaded

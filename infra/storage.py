@@ -259,8 +259,13 @@ def _is_complete(storage: Storage, prefix: str, step: int) -> bool:
         found = storage.sizes(folder)
     except (FileNotFoundError, ValueError):
         return False
-    files = manifest.get("files", {})
-    return all(found.get(name) == entry["size"] for name, entry in files.items())
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or not files:  # a manifest listing nothing is no checkpoint
+        return False
+    try:
+        return all(found.get(name) == entry["size"] for name, entry in files.items())
+    except (KeyError, TypeError):
+        return False
 
 
 def _step_dirs(storage: Storage, prefix: str) -> list[int]:
@@ -325,8 +330,23 @@ def prune_checkpoints(storage: Storage, prefix: str, keep: int) -> list[int]:
 def load_latest_checkpoint(
     storage: Storage, prefix: str
 ) -> tuple[int, dict[str, bytes], dict] | None:
-    """``(step, files, meta)`` of the latest complete checkpoint under ``prefix``, or None."""
-    step = latest_checkpoint(storage, prefix)
-    if step is None:
+    """``(step, files, meta)`` of the newest intact checkpoint under ``prefix``, or None if there
+    is none at all. Every file is verified against its manifest's sha256; a corrupt checkpoint
+    (a flipped bit, a truncated file) is skipped with a warning naming it, and the next older
+    complete one is tried. ``CheckpointError`` if checkpoints exist but none is intact."""
+    latest = latest_checkpoint(storage, prefix)
+    if latest is None:
         return None
-    return (step, *load_checkpoint(storage, prefix, step))
+    older = [s for s in _step_dirs(storage, prefix) if s != latest]
+    corrupt: list[str] = []
+    for step in [latest, *older]:
+        if step != latest and not _is_complete(storage, prefix, step):
+            continue
+        try:
+            return (step, *load_checkpoint(storage, prefix, step))
+        except CheckpointError as error:
+            log.warning("checkpoint step %d is corrupt, trying an older one: %s", step, error)
+            corrupt.append(str(error))
+    raise CheckpointError(
+        "no intact checkpoint under " + storage.uri(prefix) + ": " + "; ".join(corrupt)
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -13,10 +14,8 @@ import mlflow
 from mlflow import MlflowClient
 from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
 
+from flowrl.infra.redact import redact, redact_text
 from flowrl.infra.settings import get_settings
-
-# Names whose values must never reach MLflow params, even if a config grows such a field.
-_SECRET_HINTS = ("secret", "password", "token", "key_id", "access_key", "credential")
 
 
 def client() -> MlflowClient:
@@ -40,12 +39,11 @@ def _is_server(tracking_uri: str) -> bool:
 
 
 def flatten(data: dict[str, Any], prefix: str = "") -> dict[str, str]:
-    """``{"a": {"b": 1}}`` → ``{"a.b": "1"}``; secret-looking keys are dropped."""
+    """``{"a": {"b": 1}}`` → ``{"a.b": "1"}``, redacted (``infra.redact``): every field is
+    there, a secret-named field's value and a URL's user-info read ``***``."""
     out: dict[str, str] = {}
-    for key, value in data.items():
+    for key, value in redact(data).items():
         name = f"{prefix}{key}"
-        if any(h in key.lower() for h in _SECRET_HINTS):
-            continue
         if isinstance(value, dict):
             out |= flatten(value, f"{name}.")
         else:
@@ -197,7 +195,7 @@ class Lineage:
             tags["flowrl.environment_code_sha256"] = self.environment_code
         for i, item in enumerate(self.data):
             tags[f"flowrl.data.{i}"] = f"{item.context} {item.uri} sha256:{item.sha256}"
-        return tags
+        return {k: redact_text(v) for k, v in tags.items()}
 
 
 def register_policy(
@@ -294,6 +292,7 @@ def run_link(experiment_id: str, run_id: str) -> str | None:
 
 def _describe(lineage: Lineage, metrics: dict[str, float], run_id: str) -> str:
     lines = [f"{lineage.kind} job `{lineage.job}` (MLflow run {run_id})"]
+    lineage = dataclasses.replace(lineage, base_model=redact_text(lineage.base_model))
     lines.append(f"base model `{lineage.base_model}`")
     if lineage.environment:
         lines.append(

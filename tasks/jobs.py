@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -33,7 +34,7 @@ from flowrl.backends.models import TinyModelSpec
 from flowrl.backends.types import LoraSettings
 from flowrl.environments.data import ROW_FORMATS
 from flowrl.environments.plugin import check_environment
-from flowrl.environments.registry import load, make_task
+from flowrl.environments.registry import EnvironmentLoadError, load, make_task
 from flowrl.environments.types import TaskConfig
 from flowrl.infra.configfile import Config, load_config
 
@@ -98,9 +99,23 @@ class EnvSection(_Section):
         "behind the HTTP environment service (python -m flowrl.environments.service).",
     )
     service_url: str | None = Field(
-        default=None, description="Base URL of the environment service (mode http)."
+        default=None,
+        pattern=r"^https?://[^\s]+$",
+        description="Base URL of the environment service (mode http): http:// or https://.",
     )
     ray_actors: int = Field(default=2, ge=1, le=1024, description="Actors in the pool (mode ray).")
+
+    @field_validator("params")
+    @classmethod
+    def _check_params(cls, params: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """A built-in's params validate here, so a bad one is named ``env.params.<field>``."""
+        try:
+            loaded = load(info.data["name"]) if "name" in info.data else None
+        except EnvironmentLoadError:
+            return params  # the environment check below names the cause
+        if loaded is not None and loaded.is_task_config:
+            loaded.target.model_validate(params)
+        return params
 
     @model_validator(mode="after")
     def _check_environment(self) -> EnvSection:
@@ -224,12 +239,22 @@ def _known(name: str, registry: dict[str, Any], kind: str) -> str:
 
 
 class RolloutSection(_Section):
-    prompts_per_step: int = Field(default=64, ge=1, description="Data rows per RL step.")
-    group_size: int = Field(default=8, ge=1, description="Samples per row (GRPO group).")
+    prompts_per_step: int = Field(
+        default=64, ge=1, le=100_000, description="Data rows per RL step."
+    )
+    group_size: int = Field(default=8, ge=1, le=4096, description="Samples per row (GRPO group).")
     temperature: float = Field(default=1.0, gt=0, le=10, description="Sampling temperature.")
-    max_new_tokens: int = Field(default=8, ge=1, description="Token budget of one policy turn.")
+    max_new_tokens: int = Field(
+        default=8, ge=1, le=1_000_000, description="Token budget of one policy turn."
+    )
     max_turns: int = Field(default=1, ge=1, description="Policy turns per episode.")
-    max_context_tokens: int = Field(default=256, ge=8, description="Token budget of an episode.")
+    max_context_tokens: int = Field(
+        default=256,
+        ge=8,
+        le=10_000_000,
+        description="Token budget of an episode (at most the model's positions: checked when "
+        "the model is prepared).",
+    )
 
     def limits(self, greedy: bool = False) -> LoopLimits:
         """The agent loop's budgets; ``greedy`` samples at temperature 0 (evaluation)."""
@@ -330,7 +355,12 @@ class JobConfig(_Section):
         description="Job name: storage prefix (jobs/<name>/) and MLflow run name; resubmitting "
         "a training job of the same name resumes it.",
     )
-    seed: int = Field(default=0, description="Seed of sampling, data order and initialisation.")
+    seed: int = Field(
+        default=0,
+        ge=0,
+        lt=2**63,
+        description="Seed of sampling, data order and initialisation.",
+    )
     experiment: str = Field(default="flowrl", min_length=1, description="MLflow experiment.")
     model: ModelSection = Field(default_factory=ModelSection, description="Policy model.")
     resources: ResourcesSection = Field(default_factory=ResourcesSection, description="Workers.")
@@ -389,6 +419,16 @@ class RLJobConfig(TrainingJobConfig):
             raise ValueError(
                 f"env {self.env.name!r} shows images: set model.tiny.vision.enabled (a tiny "
                 "LLaVA) or a vision-language model.source"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _context_fits_the_tiny_model(self) -> RLJobConfig:
+        positions = self.model.tiny.max_position_embeddings
+        if self.model.source == "tiny" and self.rollout.max_context_tokens > positions:
+            raise ValueError(
+                f"rollout.max_context_tokens={self.rollout.max_context_tokens} exceeds the "
+                f"tiny model's model.tiny.max_position_embeddings={positions}"
             )
         return self
 
@@ -496,7 +536,11 @@ class RetrainConfig(_Section):
     )
     alias: str = Field(default="champion", description="Registry alias of the serving model.")
     min_improvement: float = Field(
-        default=0.0, description="Promote only if challenger accuracy > champion + this."
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Promote only if challenger accuracy > champion + this (0..1: a worse "
+        "model never takes the alias).",
     )
 
 

@@ -14,7 +14,12 @@ from prefect.cache_policies import NO_CACHE
 
 from flowrl.backends.actors import PolicyRef, start_policy, stop_policy, trainer
 from flowrl.backends.mlflow_model import save_chat_model
-from flowrl.backends.models import build_tiny_model, pin_model_uri
+from flowrl.backends.models import (
+    build_tiny_model,
+    model_positions,
+    pin_model_uri,
+    resolve_model_uri,
+)
 from flowrl.backends.types import WorkerSpec
 from flowrl.environments import registry
 from flowrl.environments.data import ROW_FORMATS, StaticSource
@@ -38,7 +43,9 @@ def prepare_model(cfg: JobConfig, ctx: JobContext) -> str:
     if cfg.model.source != "tiny":
         uri = pin_model_uri(cfg.model.source)
         chat_format(uri, ctx.cache_dir, cfg.model.chat_format)  # the probe, before any worker
+        _check_context(cfg, model_positions(resolve_model_uri(uri, ctx.cache_dir)))
         return uri
+    _check_context(cfg, cfg.model.tiny.max_position_embeddings)
     storage = Storage(ctx.storage_url)
     spec = cfg.model.tiny
     # A text model's key leaves the (disabled) vision section out: the same key as before it.
@@ -50,6 +57,16 @@ def prepare_model(cfg: JobConfig, ctx: JobContext) -> str:
             storage.put_dir(tmp, rel)
         storage.write_json(f"{rel}/{DONE_MARKER}", shape)
     return storage.uri(rel)
+
+
+def _check_context(cfg: JobConfig, positions: int | None) -> None:
+    """``rollout.max_context_tokens`` must fit the model's positions."""
+    rollout = getattr(cfg, "rollout", None)
+    if rollout is not None and positions is not None and rollout.max_context_tokens > positions:
+        raise ValueError(
+            f"rollout.max_context_tokens={rollout.max_context_tokens} exceeds the model's "
+            f"{positions} positions (model.source {cfg.model.source!r})"
+        )
 
 
 @task(name="warmup", cache_policy=NO_CACHE)

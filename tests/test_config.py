@@ -147,3 +147,40 @@ def test_readme_documents_every_config_field():
     for name in installed_names():
         missing += [f for f in load(name).target.model_fields if f"`{f}`" not in readme]
     assert not missing, f"README lacks config fields: {missing}"
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        (b"name: [open\nseed: 1\n", "job.yaml: line 2"),  # a YAML syntax error, with its line
+        (b"name: a\nseed: !!python/object/apply:os.system ['true']\n", "job.yaml: line 2"),
+        (b"name: a\nseed: 1\nseed: 2\n", "line 3, column 1: duplicate key 'seed'"),
+        (b"name: a\nenv:\n  name: tool_math\n  name: gomoku\n", "duplicate key 'name'"),
+        (b"name: caf\xe9\n", "job.yaml: line 1: not UTF-8"),
+        (b"env:\n  name: tool_math\n  params: {bogus: 1}\n", "env.params.bogus"),
+        (b"rollout: {group_size: 1000000000}\n", "rollout.group_size"),
+        (b"rollout: {prompts_per_step: 1000000000}\n", "rollout.prompts_per_step"),
+        (b"seed: 1.0e+30\n", "seed"),
+        (b"rollout: {max_context_tokens: 100000}\n", "rollout.max_context_tokens=100000 exceeds"),
+        (b"env: {mode: http, service_url: 'file:///etc/passwd'}\n", "env.service_url"),
+    ],
+)
+def test_every_config_edge_exits_2_naming_the_field_or_line(
+    tmp_path, monkeypatch, capsys, text, says
+):
+    from flowrl.cli import main
+
+    monkeypatch.setenv("FLOWRL_HOME", str(tmp_path / "home"))
+    path = tmp_path / "job.yaml"
+    path.write_bytes(text)
+    assert main(["config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert says in err and "Traceback" not in err, err
+
+
+def test_retrain_refuses_a_negative_min_improvement():
+    from flowrl.infra.configfile import load_config
+    from flowrl.tasks.jobs import RetrainConfig
+
+    with pytest.raises(ConfigError, match="min_improvement"):
+        load_config(None, ["min_improvement=-1e9"], RetrainConfig)

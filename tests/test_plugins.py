@@ -264,6 +264,14 @@ for job in json.loads(sys.argv[1]):
     config = load_job(sys.argv[2], job["overrides"])
     result = rl_train(config)
     results[job["key"]] = {"model_uri": result.model_uri, "run": result.mlflow_run_id}
+# Every job stopped its environment actors (ray mode) when it ended (ray.kill is asynchronous).
+import time
+for _ in range(50):
+    named = ray.util.list_named_actors(all_namespaces=True)
+    results["env_actors_left"] = [a["name"] for a in named if "-envs-" in a["name"]]
+    if not results["env_actors_left"]:
+        break
+    time.sleep(0.2)
 print("RESULTS " + json.dumps(results))
 """
 
@@ -313,6 +321,7 @@ def test_a_user_environment_trains_in_every_mode_both_ways_of_naming_it(
     assert steps > 0  # the http jobs' episodes were played by the service
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULTS "))
     results = json.loads(line[len("RESULTS ") :])
+    assert results.pop("env_actors_left") == []  # the ray-mode jobs' actors are gone
     assert sorted(results) == sorted(job["key"] for job in jobs)
     assert all(r["model_uri"].startswith("models:/plug-") for r in results.values())
 

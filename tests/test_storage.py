@@ -19,6 +19,7 @@ from flowrl.infra.storage import (
     commit_checkpoint,
     latest_checkpoint,
     load_checkpoint,
+    load_latest_checkpoint,
     prune_checkpoints,
 )
 
@@ -276,3 +277,46 @@ def test_retries_stop_after_the_budget(moto_s3) -> None:
     with pytest.raises(OSError):
         storage.write_bytes("never.bin", b"x")
     assert time.monotonic() - start < 5
+
+
+def bit_flip(storage: Storage) -> None:
+    """Step 3 committed, then one bit of its weights flipped (same size)."""
+    data = bytearray(checkpoint_files(3)["model.safetensors"])
+    data[len(data) // 2] ^= 0x01
+    storage.write_bytes(f"{checkpoint_dir(PREFIX, 3)}/model.safetensors", bytes(data))
+
+
+def truncation(storage: Storage) -> None:
+    data = checkpoint_files(3)["model.safetensors"]
+    storage.write_bytes(f"{checkpoint_dir(PREFIX, 3)}/model.safetensors", data[: len(data) // 2])
+
+
+def empty_manifest(storage: Storage) -> None:
+    storage.write_json(f"{checkpoint_dir(PREFIX, 3)}/manifest.json", {"step": 3, "files": {}})
+
+
+def missing_pointer_target(storage: Storage) -> None:
+    storage.delete(checkpoint_dir(PREFIX, 3))
+
+
+@pytest.mark.parametrize("corrupt", [bit_flip, truncation, empty_manifest, missing_pointer_target])
+def test_a_corrupt_latest_checkpoint_resumes_from_the_newest_intact_one(
+    storage: Storage, corrupt: Callable[[Storage], None], caplog: pytest.LogCaptureFixture
+) -> None:
+    for step in (1, 2, 3):
+        commit_checkpoint(storage, PREFIX, step, checkpoint_files(step), {"step": step})
+    corrupt(storage)
+    with caplog.at_level("WARNING"):
+        step, files, meta = load_latest_checkpoint(storage, PREFIX)
+    assert (step, files, meta) == (2, checkpoint_files(2), {"step": 2})
+    if corrupt is bit_flip:  # complete by size: only the sha256 check catches it, and says so
+        assert "checkpoint step 3 is corrupt" in caplog.text
+
+
+def test_no_intact_checkpoint_is_a_clear_error(storage: Storage) -> None:
+    commit_checkpoint(storage, PREFIX, 1, checkpoint_files(1), {})
+    data = bytearray(checkpoint_files(1)["model.safetensors"])
+    data[0] ^= 0xFF
+    storage.write_bytes(f"{checkpoint_dir(PREFIX, 1)}/model.safetensors", bytes(data))
+    with pytest.raises(CheckpointError, match="no intact checkpoint"):
+        load_latest_checkpoint(storage, PREFIX)
