@@ -10,6 +10,7 @@ with each answer (as base64 on the HTTP wire, ``environments.types.to_wire``).
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -177,6 +178,11 @@ def stop_env_pool(pool_name: str, size: int) -> None:
             pass  # never started or already gone
 
 
+TOKEN_VAR = "FLOWRL_ENV_SERVICE_TOKEN"
+"""The bearer token an ``http``-mode job sends to the environment service (an environment
+variable of the job's processes, never a config field)."""
+
+
 class EnvFactory:
     """Builds one environment per episode id in the configured mode; ``close()`` frees the
     remote episodes that ended without the environment saying done (turn or token caps)."""
@@ -195,8 +201,12 @@ class EnvFactory:
         self.mode, self.job = mode, job
         self._made: list[Any] = []
         self._build = env_builder(name, params) if mode == "local" else None
+        token = os.environ.get(TOKEN_VAR, "")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._client = (
-            httpx.Client(base_url=service_url, timeout=timeout_s) if mode == "http" else None
+            httpx.Client(base_url=service_url, timeout=timeout_s, headers=headers)
+            if mode == "http"
+            else None
         )
         self._actors = env_pool(f"{job}-envs", ray_actors) if mode == "ray" else []
 

@@ -21,19 +21,46 @@ importable here), or, with none, every installed environment (entry points
 ``flowrl.environments``); any other name is refused with 403 before anything is imported.
 An environment that raises answers 500 with the error text, so the client's episode fails and
 the others go on.
+
+Tenancy and limits (a multi-tenant service on a network):
+
+- **Bearer tokens.** ``Authorization: Bearer <token>`` on every call but ``/health``; tokens
+  come from ``--tokens-file`` (lines ``owner:token``) or ``FLOWRL_ENV_SERVICE_TOKENS``
+  (``owner:token,owner:token``), never from a job config. A client (``env.mode: http``) sends
+  ``FLOWRL_ENV_SERVICE_TOKEN``. Without tokens the service starts only with
+  ``--insecure-loopback`` on a loopback address, where every caller is one owner.
+- **Ownership.** An episode belongs to the owner that reset it: another owner gets 404 on step
+  and delete, and ``/stats`` shows a caller only its own episodes.
+- **Limits.** Request bodies at most ``--max-body-bytes`` (413; a body without Content-Length:
+  411); per owner at most ``--max-episodes-per-owner`` live episodes and
+  ``--max-bytes-per-owner`` bytes of requests held by them (429); episodes idle for
+  ``--episode-ttl`` seconds are dropped; uvicorn's concurrency, keep-alive and header-size limits
+  are set. Every malformed request is a 4xx with a one-line reason, never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import hmac
+import ipaddress
+import json
+import os
+import time
 from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from flowrl.environments.plugin import first_user_message
-from flowrl.environments.registry import installed_names, load, make_env
+from flowrl.environments.registry import env_builder, installed_names, load
 from flowrl.environments.types import (
     Environment,
     from_wire,
@@ -42,63 +69,147 @@ from flowrl.environments.types import (
     to_wire,
 )
 
+_ID = Field(min_length=1, max_length=256)
+
 
 class EnvSpec(BaseModel):
-    name: str = Field(description="Registered environment name.")
+    name: str = Field(min_length=1, max_length=256, description="Registered environment name.")
     params: dict[str, Any] = Field(default_factory=dict, description="Its task parameters.")
 
 
 class ResetRequest(BaseModel):
-    job: str
-    episode_id: str
+    job: str = _ID
+    episode_id: str = _ID
     env: EnvSpec
     row: dict[str, Any] = Field(default_factory=dict)
 
 
 class StepRequest(BaseModel):
-    job: str
-    episode_id: str
+    job: str = _ID
+    episode_id: str = _ID
     action: str
 
 
-def create_app(max_episodes: int = 100_000, serves: list[str] | None = None) -> FastAPI:
-    """The service; episodes live in this process's memory until done or deleted. ``serves``:
-    the environment names it builds (default: every installed one); each is loaded now, so a
-    name that does not load stops the service at start, not at a job's first episode."""
+@dataclass
+class Limits:
+    """What one service accepts (see the module docstring)."""
+
+    max_episodes: int = 100_000
+    max_episodes_per_owner: int = 10_000
+    max_bytes_per_owner: int = 256 * 2**20
+    max_body_bytes: int = 2**20
+    episode_ttl_s: float = 900.0
+
+
+@dataclass
+class _Episode:
+    env: Environment
+    owner: str
+    job: str
+    nbytes: int
+    used: float = field(default_factory=time.monotonic)
+
+
+INSECURE_OWNER = "local"
+"""The one owner of every caller of a service started with ``--insecure-loopback``."""
+
+
+def create_app(
+    max_episodes: int = 100_000,
+    serves: list[str] | None = None,
+    tokens: dict[str, str] | None = None,
+    limits: Limits | None = None,
+) -> FastAPI:
+    """The service; episodes live in this process's memory until done, deleted or idle past
+    the TTL. ``serves``: the environment names it builds (default: every installed one); each
+    is loaded now, so a name that does not load stops the service at start, not at a job's
+    first episode. ``tokens``: token → owner; None or empty = no authentication (the caller of
+    ``main`` allows that only on loopback with ``--insecure-loopback``)."""
+    limits = limits or Limits(max_episodes=max_episodes)
     served = sorted(set(serves)) if serves else installed_names()
     for name in served:
         load(name)
     app = FastAPI(title="flowrl environments")
-    episodes: dict[tuple[str, str], Environment] = {}
+    episodes: dict[tuple[str, str, str], _Episode] = {}
     counters: Counter[str] = Counter()
+    held: Counter[str] = Counter()  # bytes of requests held by each owner's live episodes
+    swept = [0.0]
+    by_token = {secrets_key(t): owner for t, owner in (tokens or {}).items()}
 
-    def episode(job: str, episode_id: str) -> Environment:
+    @app.middleware("http")
+    async def guard(request: Request, call_next: Any) -> Response:
+        if request.method in ("POST", "PUT", "PATCH"):
+            length = request.headers.get("content-length")
+            if length is None:
+                return _error(411, "a request body needs a Content-Length")
+            if not length.isdigit() or int(length) > limits.max_body_bytes:
+                return _error(413, f"request body over {limits.max_body_bytes} bytes")
+        if request.url.path != "/health":
+            owner = _owner(request.headers.get("authorization", ""), by_token)
+            if owner is None:
+                return _error(401, "missing or unknown bearer token")
+            request.state.owner = owner
+        _sweep()
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def malformed(request: Request, exc: RequestValidationError) -> Response:
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return _error(422, f"malformed request: {where}: {first.get('msg', 'invalid')}"[:300])
+
+    def _sweep() -> None:
+        now = time.monotonic()
+        if now - swept[0] < 1.0:
+            return
+        swept[0] = now
+        for key in [k for k, e in episodes.items() if now - e.used > limits.episode_ttl_s]:
+            _drop(key)
+
+    def _drop(key: tuple[str, str, str]) -> bool:
+        gone = episodes.pop(key, None)
+        if gone is not None:
+            held[gone.owner] -= gone.nbytes
+        return gone is not None
+
+    def episode(owner: str, job: str, episode_id: str) -> _Episode:
         try:
-            return episodes[(job, episode_id)]
+            found = episodes[(owner, job, episode_id)]
         except KeyError:
             raise HTTPException(404, f"no live episode {episode_id!r} of job {job!r}") from None
+        found.used = time.monotonic()
+        return found
 
     @app.get("/health")
     def health() -> dict[str, str]:
         return {"status": "ok"}
 
     @app.post("/reset")
-    def reset(req: ResetRequest) -> dict[str, Any]:
-        if len(episodes) >= max_episodes:
-            raise HTTPException(503, f"too many live episodes ({max_episodes})")
+    def reset(req: ResetRequest, request: Request) -> dict[str, Any]:
+        owner: str = request.state.owner
+        nbytes = int(request.headers["content-length"])
+        _drop((owner, req.job, req.episode_id))  # a reset replaces the caller's own episode
+        if len(episodes) >= limits.max_episodes:
+            raise HTTPException(503, f"too many live episodes ({limits.max_episodes})")
+        mine = sum(1 for e in episodes.values() if e.owner == owner)
+        if mine >= limits.max_episodes_per_owner:
+            raise HTTPException(429, f"at most {limits.max_episodes_per_owner} live episodes")
+        if held[owner] + nbytes > limits.max_bytes_per_owner:
+            raise HTTPException(429, f"live episodes hold over {limits.max_bytes_per_owner} bytes")
         if req.env.name not in served:
             raise HTTPException(
                 403, f"environment {req.env.name!r} is not served here; served: {served}"
             )
         try:
-            env = make_env(req.env.name, req.env.params)
+            env = _builder(req.env.name, json.dumps(req.env.params, sort_keys=True))()
             observation = first_user_message(env, env.reset(**from_wire(req.row)))
             images = shown_images(env)
-        except (ValueError, TypeError) as exc:  # the row or params are wrong: the caller's error
-            raise HTTPException(400, f"reset refused: {exc}") from None
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            raise HTTPException(400, f"reset refused: {str(exc)[:300]}") from None
         except Exception as exc:  # the episode fails, not the service
-            raise HTTPException(500, f"reset failed: {exc!r}") from exc
-        episodes[(req.job, req.episode_id)] = env
+            raise HTTPException(500, f"reset failed: {exc!r}"[:300]) from None
+        episodes[(owner, req.job, req.episode_id)] = _Episode(env, owner, req.job, nbytes)
+        held[owner] += nbytes
         return {
             "observation": observation,
             "system_prompt": env.get_system_prompt(),
@@ -106,29 +217,81 @@ def create_app(max_episodes: int = 100_000, serves: list[str] | None = None) -> 
         }
 
     @app.post("/step")
-    def step(req: StepRequest) -> dict[str, Any]:
-        env = episode(req.job, req.episode_id)
+    def step(req: StepRequest, request: Request) -> dict[str, Any]:
+        owner: str = request.state.owner
+        key = (owner, req.job, req.episode_id)
+        env = episode(*key).env
         try:
             result = env.step(req.action)
             images = [] if result.done else shown_images(env)
         except Exception as exc:
-            episodes.pop((req.job, req.episode_id), None)
-            raise HTTPException(500, f"step failed: {exc!r}") from exc
-        counters["steps"] += 1
+            _drop(key)
+            raise HTTPException(500, f"step failed: {exc!r}"[:300]) from None
+        counters[owner] += 1
         if result.done:
-            episodes.pop((req.job, req.episode_id), None)
+            _drop(key)
         return step_fields(result) | {"images": to_wire(images)}
 
     @app.delete("/episodes/{job}/{episode_id}")
-    def end(job: str, episode_id: str) -> dict[str, bool]:
-        return {"ended": episodes.pop((job, episode_id), None) is not None}
+    def end(job: str, episode_id: str, request: Request) -> dict[str, bool]:
+        if not _drop((request.state.owner, job, episode_id)):
+            raise HTTPException(404, f"no live episode {episode_id!r} of job {job!r}")
+        return {"ended": True}
 
     @app.get("/stats")
-    def stats() -> dict[str, Any]:
-        jobs = Counter(job for job, _ in episodes)
-        return {"episodes": len(episodes), "jobs": dict(jobs), "steps": counters["steps"]}
+    def stats(request: Request) -> dict[str, Any]:
+        owner: str = request.state.owner
+        jobs = Counter(e.job for e in episodes.values() if e.owner == owner)
+        return {"episodes": sum(jobs.values()), "jobs": dict(jobs), "steps": counters[owner]}
 
     return app
+
+
+@lru_cache(maxsize=256)
+def _builder(name: str, params_json: str) -> Callable[[], Environment]:
+    """Validated once per (name, params): a repeated request costs no validation CPU."""
+    return env_builder(name, json.loads(params_json))
+
+
+def secrets_key(token: str) -> str:
+    """What tokens are compared by (a digest: equal-length, constant-time comparison)."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def _owner(header: str, by_token: dict[str, str]) -> str | None:
+    if not by_token:
+        return INSECURE_OWNER
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    digest = secrets_key(token.strip())
+    for known, owner in by_token.items():
+        if hmac.compare_digest(known, digest):
+            return owner
+    return None
+
+
+def _error(status: int, detail: str) -> Response:
+    return JSONResponse({"detail": detail}, status_code=status)
+
+
+def read_tokens(path: str | None) -> dict[str, str]:
+    """token → owner, from ``path`` (lines ``owner:token``; ``#`` comments) and the
+    ``FLOWRL_ENV_SERVICE_TOKENS`` variable (``owner:token,owner:token``)."""
+    entries = [e for e in os.environ.get(TOKENS_VAR, "").split(",") if e.strip()]
+    if path:
+        lines = Path(path).read_text().splitlines()
+        entries += [line for line in lines if line.strip() and not line.startswith("#")]
+    tokens: dict[str, str] = {}
+    for entry in entries:
+        owner, sep, token = entry.strip().partition(":")
+        if not sep or not owner or len(token) < 16:
+            raise SystemExit("a token entry must be owner:token with a token of 16+ characters")
+        tokens[token] = owner
+    return tokens
+
+
+TOKENS_VAR = "FLOWRL_ENV_SERVICE_TOKENS"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -144,9 +307,45 @@ def main(argv: list[str] | None = None) -> None:
         help="an environment to serve (entry point name or package.module:Class); repeatable. "
         "Default: every installed environment.",
     )
+    parser.add_argument("--tokens-file", help="lines owner:token (or FLOWRL_ENV_SERVICE_TOKENS)")
+    parser.add_argument(
+        "--insecure-loopback",
+        action="store_true",
+        help="serve without tokens (every caller one owner); loopback addresses only",
+    )
+    parser.add_argument("--max-body-bytes", type=int, default=Limits.max_body_bytes)
+    parser.add_argument("--max-episodes-per-owner", type=int, default=Limits.max_episodes_per_owner)
+    parser.add_argument("--max-bytes-per-owner", type=int, default=Limits.max_bytes_per_owner)
+    parser.add_argument("--episode-ttl", type=float, default=Limits.episode_ttl_s)
     args = parser.parse_args(argv)
-    app = create_app(serves=args.env)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    tokens = read_tokens(args.tokens_file)
+    if not tokens:
+        if not args.insecure_loopback:
+            parser.error(
+                "no tokens: give --tokens-file / FLOWRL_ENV_SERVICE_TOKENS, or "
+                "--insecure-loopback on a loopback address"
+            )
+        if not ipaddress.ip_address(
+            args.host if args.host != "localhost" else "127.0.0.1"
+        ).is_loopback:
+            parser.error(f"--insecure-loopback serves loopback addresses only, not {args.host}")
+    limits = Limits(
+        max_episodes_per_owner=args.max_episodes_per_owner,
+        max_bytes_per_owner=args.max_bytes_per_owner,
+        max_body_bytes=args.max_body_bytes,
+        episode_ttl_s=args.episode_ttl,
+    )
+    app = create_app(serves=args.env, tokens=tokens, limits=limits)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        limit_concurrency=512,
+        backlog=512,
+        timeout_keep_alive=5,
+        h11_max_incomplete_event_size=64 * 1024,
+    )
 
 
 if __name__ == "__main__":

@@ -250,7 +250,15 @@ def _draw(rng: random.Random, forms: tuple[str, ...], low: int, high: int) -> di
 def _eval_rows(
     seed: int, forms: tuple[str, ...], low: int, high: int, size: int
 ) -> tuple[dict[str, str], ...]:
-    """``size`` distinct held-out problems, cached by what determines them."""
+    """``size`` distinct held-out problems, cached by what determines them. A space with fewer
+    than twice ``size`` problems is refused at once (drawing would cost seconds of CPU)."""
+    n = high - low + 1
+    space = sum(n ** len(set(re.findall(r"[a-z]", form))) for form in forms)
+    if space < 2 * size:
+        raise ValueError(
+            f"eval_size {size} needs at least {2 * size} distinct problems; these forms and "
+            f"operands {low}..{high} have {space}: widen the operand range or lower eval_size"
+        )
     rng = random.Random(f"flowrl.tool_math.eval:{seed}")
     rows: dict[str, dict[str, str]] = {}
     for _ in range(size * 50):

@@ -13,12 +13,15 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def start_env_service(
-    *serves: str, env: dict[str, str] | None = None
+    *serves: str,
+    env: dict[str, str] | None = None,
+    options: tuple[str, ...] = ("--insecure-loopback",),
 ) -> tuple[str, subprocess.Popen]:
     """The service serving ``serves`` (``--env`` each; none = every installed environment),
-    started with ``env`` (default: this process's); returns (base URL, process)."""
+    started with ``env`` (default: this process's) and ``options`` (default: no tokens, on
+    loopback); returns (base URL, process)."""
     port = free_port()
-    args = [a for name in serves for a in ("--env", name)]
+    args = [a for name in serves for a in ("--env", name)] + list(options)
     proc = subprocess.Popen(
         [sys.executable, "-m", "flowrl.environments.service", "--port", str(port), *args],
         cwd=REPO,

@@ -239,7 +239,14 @@ def test_the_service_serves_a_user_class_only_when_started_with_it(user_folder):
         proc.terminate()
         proc.wait(timeout=10)
     failed = subprocess.run(  # a name that does not load stops the service at start
-        [sys.executable, "-m", "flowrl.environments.service", "--env", "nope:Env"],
+        [
+            sys.executable,
+            "-m",
+            "flowrl.environments.service",
+            "--env",
+            "nope:Env",
+            "--insecure-loopback",
+        ],
         env=env,
         capture_output=True,
         text=True,
