@@ -37,16 +37,31 @@ from flowrl.environments.plugin import check_environment
 from flowrl.environments.registry import EnvironmentLoadError, load, make_task
 from flowrl.environments.types import TaskConfig
 from flowrl.infra.configfile import Config, load_config
+from flowrl.infra.redact import redact_text
 
 JOB_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 
 
+def _no_credentials(uri: str) -> str:
+    """A URL in a config never carries credentials: configs are recorded (MLflow params,
+    job.json, Prefect parameters). The message does not repeat the value."""
+    if redact_text(uri) != uri:
+        raise ValueError(
+            "a URL holds credentials (user:password@): configs are recorded, so give them to "
+            "the processes instead (AWS_* variables for s3://, FLOWRL_ENV_SERVICE_TOKEN for "
+            "the environment service)"
+        )
+    return uri
+
+
 def _row_file(uri: str) -> str:
+    _no_credentials(uri)
     if not uri.split("?", 1)[0].lower().endswith(ROW_FORMATS):
         raise ValueError(f"{uri!r}: expected one of {', '.join(ROW_FORMATS)}")
     return uri
 
 
+NoCredentials = Annotated[str, AfterValidator(_no_credentials)]
 RowFile = Annotated[str, AfterValidator(_row_file)]
 """A row file flowrl reads (JSONL, JSON or parquet by extension), local or any fsspec URL."""
 
@@ -98,7 +113,7 @@ class EnvSection(_Section):
         description="Where episodes run: in the rollout task, in a pool of Ray actors, or "
         "behind the HTTP environment service (python -m flowrl.environments.service).",
     )
-    service_url: str | None = Field(
+    service_url: NoCredentials | None = Field(
         default=None,
         pattern=r"^https?://[^\s]+$",
         description="Base URL of the environment service (mode http): http:// or https://.",
@@ -133,7 +148,7 @@ class EnvSection(_Section):
 
 
 class ModelSection(_Section):
-    source: str = Field(
+    source: NoCredentials = Field(
         default="tiny",
         description="'tiny' (build a tiny Llama offline from `tiny`; a tiny LLaVA with "
         "`tiny.vision.enabled`) or a model URI: local HF folder, s3://… folder, or "

@@ -163,6 +163,11 @@ def test_readme_documents_every_config_field():
         (b"seed: 1.0e+30\n", "seed"),
         (b"rollout: {max_context_tokens: 100000}\n", "rollout.max_context_tokens=100000 exceeds"),
         (b"env: {mode: http, service_url: 'file:///etc/passwd'}\n", "env.service_url"),
+        (b"env: {mode: http, service_url: 'http://al:s3cret@127.0.0.1:1'}\n", "env.service_url"),
+        (
+            b"model: {source: 'https://user:s3cret@example.org/m'}\n",
+            "model.source: Value error, a URL holds credentials",
+        ),
     ],
 )
 def test_every_config_edge_exits_2_naming_the_field_or_line(
@@ -175,7 +180,7 @@ def test_every_config_edge_exits_2_naming_the_field_or_line(
     path.write_bytes(text)
     assert main(["config", str(path)]) == 2
     err = capsys.readouterr().err
-    assert says in err and "Traceback" not in err, err
+    assert says in err and "Traceback" not in err and "s3cret" not in err, err
 
 
 def test_retrain_refuses_a_negative_min_improvement():
