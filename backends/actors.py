@@ -15,6 +15,7 @@ import ray
 
 from flowrl.backends.deepspeed_trainer import DeepSpeedTrainer, DeepSpeedZero3Trainer
 from flowrl.backends.hf_workers import HFSampler, TorchTrainer
+from flowrl.backends.precision import Precision
 from flowrl.backends.types import WorkerSpec
 from flowrl.backends.vllm_sampler import VLLMSampler
 from flowrl.infra.settings import worker_environment
@@ -57,16 +58,18 @@ class ActorResources:
 @dataclass(frozen=True)
 class WorkerPlan:
     """How a job's policy workers start (warm-up's included): what each asks the cluster for,
-    which backends, and torch's threads per worker."""
+    which backends, torch's threads per worker and the precision (``backends.precision``)."""
 
     resources: ActorResources = ActorResources()
     sampler_backend: str = "hf"
     trainer_backend: str = "torch"
     torch_threads: int = 1
+    dtype: Precision = "auto"
 
     def start(self, name: str, spec: WorkerSpec) -> PolicyRef:
-        """Start a policy's sampler and trainer as planned (``spec.torch_threads`` overridden)."""
-        spec = spec.model_copy(update={"torch_threads": self.torch_threads})
+        """Start a policy's sampler and trainer as planned (``spec.torch_threads`` and
+        ``spec.dtype`` overridden)."""
+        spec = spec.model_copy(update={"torch_threads": self.torch_threads, "dtype": self.dtype})
         return start_policy(name, spec, self.resources, self.sampler_backend, self.trainer_backend)
 
 

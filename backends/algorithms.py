@@ -163,6 +163,18 @@ def kl_k3(logprobs_B_T: Tensor, ref_logprobs_B_T: Tensor) -> Tensor:
     return torch.exp(d_B_T) - d_B_T - 1.0
 
 
+def mismatch_kl(logprobs_B_T: Tensor, sampler_logprobs_B_T: Tensor, mask_B_T: Tensor) -> Tensor:
+    """KL(sampler || trainer) over the sampled tokens: the token-mean of the k3 estimate
+    ``exp(d) - d - 1`` with ``d = logp_trainer - logp_sampler`` (the tokens were drawn by the
+    sampler, so k3 is unbiased for this direction). ``[B, T] -> []``, no gradient.
+
+    0 when the two agree; about ``mean(d^2) / 2`` for small ``d``. After a weight sync it
+    measures what precision (bf16 sampler, float32 master weights) and kernels change.
+    """
+    kl_B_T = kl_k3(sampler_logprobs_B_T.detach(), logprobs_B_T.detach())
+    return token_mean(kl_B_T, mask_B_T.to(kl_B_T.dtype))
+
+
 KLEstimator = Callable[[Tensor, Tensor], Tensor]
 """``(logprobs_B_T, ref_logprobs_B_T) -> kl_B_T``."""
 KL_ESTIMATORS: dict[str, KLEstimator] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}

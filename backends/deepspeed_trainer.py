@@ -25,7 +25,6 @@ import torch
 
 from flowrl.backends.hf_workers import TorchTrainer, _trainable_state
 from flowrl.backends.types import WorkerSpec
-from flowrl.infra.storage import Storage, commit_checkpoint, load_latest_checkpoint
 
 CHECKPOINT_TAG = "flowrl"
 
@@ -57,8 +56,9 @@ def init_single_process_group(backend: str) -> None:
 
 
 def deepspeed_config(spec: WorkerSpec, zero_stage: int) -> dict[str, Any]:
-    """The engine config: fp32 (bf16 is a GPU choice), one micro-batch per ``forward_backward``,
-    gradient clipping at ``spec.max_grad_norm``."""
+    """The engine config: float32 weights and optimiser (with ``spec.dtype`` bfloat16 the
+    forward pass autocasts, as in ``TorchTrainer``: ``backends.precision``), one micro-batch per
+    ``forward_backward``, gradient clipping at ``spec.max_grad_norm``."""
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -110,6 +110,8 @@ class DeepSpeedTrainer(TorchTrainer):
 
     def save_state(self, storage_url: str, prefix: str, step: int, meta: dict[str, Any]) -> str:
         """Commit ``engine.save_checkpoint`` (weights + partitioned optimiser) plus the RNG."""
+        from flowrl.infra.storage import Storage, commit_checkpoint
+
         rng = io.BytesIO()
         torch.save({"torch": torch.get_rng_state()}, rng)
         with tempfile.TemporaryDirectory() as tmp:
@@ -123,6 +125,8 @@ class DeepSpeedTrainer(TorchTrainer):
         return commit_checkpoint(Storage(storage_url), prefix, step, files, meta)
 
     def load_state(self, storage_url: str, prefix: str) -> dict[str, Any] | None:
+        from flowrl.infra.storage import Storage, load_latest_checkpoint
+
         latest = load_latest_checkpoint(Storage(storage_url), prefix)
         if latest is None:
             return None

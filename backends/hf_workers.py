@@ -3,7 +3,8 @@
 They are plain classes; ``backends.actors`` runs them as long-lived Ray actors (or in-process
 for benchmarks). Their public methods are the Tinker-style verbs: ``sample``,
 ``forward_backward``, ``optim_step``, ``save_state`` / ``load_state``, ``get_weights`` /
-``set_weights`` (weight sync).
+``set_weights`` (weight sync). Storage (fsspec, botocore) is imported by the checkpoint verbs
+only, so the workers run where those are not installed (``benchmarks/gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from flowrl.backends.algorithms import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
     get_policy_loss,
+    mismatch_kl,
     token_logprobs,
 )
 from flowrl.backends.chat import HFChatFormat
@@ -32,9 +34,9 @@ from flowrl.backends.models import (
     pad_id,
     resolve_model_uri,
 )
+from flowrl.backends.precision import compute_dtype, forward_autocast
 from flowrl.backends.types import Datum, WorkerSpec
 from flowrl.backends.vlm import ImageInputs, vision_inputs
-from flowrl.infra.storage import Storage, commit_checkpoint, load_latest_checkpoint
 
 
 def _device(spec: WorkerSpec) -> torch.device:
@@ -43,11 +45,14 @@ def _device(spec: WorkerSpec) -> torch.device:
     return torch.device(spec.device)
 
 
-def load_policy_model(spec: WorkerSpec) -> tuple[torch.nn.Module, Any, str]:
-    """Load the model (with a LoRA adapter when enabled), its tokenizer and its local path."""
+def load_policy_model(
+    spec: WorkerSpec, dtype: torch.dtype = torch.float32
+) -> tuple[torch.nn.Module, Any, str]:
+    """Load the model in ``dtype`` (with a LoRA adapter when enabled), its tokenizer and its
+    local path."""
     torch.set_num_threads(spec.torch_threads)
     path = resolve_model_uri(spec.model_uri, spec.cache_dir)
-    model = load_causal_lm(path)
+    model = load_causal_lm(path, dtype)
     if spec.lora.enabled:
         # Same seed in sampler and trainer: both start from identical adapter weights.
         torch.manual_seed(spec.seed)
@@ -79,13 +84,15 @@ def _load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor]
 
 
 class HFSampler:
-    """Batched sampling with HF ``generate``, returning token ids and log-probs."""
+    """Batched sampling with HF ``generate``, returning token ids and float32 log-probs;
+    weights and activations in ``spec.dtype`` (``backends.precision``)."""
 
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
-        self.model, self.tokenizer, self.model_path = load_policy_model(spec)
-        self.model.eval()
         self.device = _device(spec)
+        self.dtype = compute_dtype(spec.dtype, self.device)
+        self.model, self.tokenizer, self.model_path = load_policy_model(spec, self.dtype)
+        self.model.eval()
         self.image_inputs = ImageInputs.for_model(self.model_path)  # None: text only
         self.stop_token_ids = HFChatFormat.from_folder(self.model_path).stop_token_ids
         self.weights_version = 0
@@ -173,13 +180,16 @@ def _next_token_logprobs(
     b: dict[str, torch.Tensor],
     temperature: float,
     unsampled: list[int],
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """``(B, T-1)`` log-probs of each next token of ``b["ids"]`` under the policy (images
-    through ``pixel_values`` when the batch has them). ``unsampled`` tokens are excluded from
-    the distribution; where one is the target (an injected image token, mask 0) the log-prob
-    is 0.0 rather than -inf, so masked sums stay finite."""
+    """``(B, T-1)`` float32 log-probs of each next token of ``b["ids"]`` under the policy
+    (images through ``pixel_values`` when the batch has them); the forward pass autocasts to
+    ``dtype``, the log-softmax is float32. ``unsampled`` tokens are excluded from the
+    distribution; where one is the target (an injected image token, mask 0) the log-prob is
+    0.0 rather than -inf, so masked sums stay finite."""
     vision = {"pixel_values": b["pixel_values"]} if "pixel_values" in b else {}
-    logits = model(input_ids=b["ids"], attention_mask=b["attention"], **vision).logits
+    with forward_autocast(dtype, b["ids"].device):
+        logits = model(input_ids=b["ids"], attention_mask=b["attention"], **vision).logits
     targets = b["ids"][:, 1:]
     logprobs = token_logprobs(_without(logits[:, :-1].float(), unsampled) / temperature, targets)
     if not unsampled:
@@ -189,13 +199,16 @@ def _next_token_logprobs(
 
 
 class TorchTrainer:
-    """AdamW on all weights or on a LoRA adapter; losses chosen by name."""
+    """AdamW on all weights or on a LoRA adapter; losses chosen by name. Master weights and
+    optimiser state are float32; with ``spec.dtype`` bfloat16 the forward pass autocasts
+    (``backends.precision``)."""
 
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
+        self.device = _device(spec)
+        self.dtype = compute_dtype(spec.dtype, self.device)
         self.model, self.tokenizer, self.model_path = load_policy_model(spec)
         self.model.train()
-        self.device = _device(spec)
         self.image_inputs = ImageInputs.for_model(self.model_path)  # None: text only
         self.optimizer = self._new_optimizer()
         self.version = 0
@@ -216,6 +229,7 @@ class TorchTrainer:
         attention = torch.zeros_like(ids)
         mask = torch.zeros((len(data), width), dtype=torch.float32)
         old = torch.zeros((len(data), width), dtype=torch.float32)
+        has_old = torch.tensor([float(bool(d.old_logprobs)) for d in data])
         for i, d in enumerate(data):
             n = len(d.tokens)
             ids[i, :n] = torch.tensor(d.tokens)
@@ -229,6 +243,7 @@ class TorchTrainer:
             "attention": attention,
             "mask": mask[:, 1:],
             "old": old[:, 1:],
+            "has_old": has_old,
             "advantages": advantages,
         }
         batch = {k: v.to(self.device) for k, v in batch.items()}
@@ -237,7 +252,7 @@ class TorchTrainer:
     def _logprobs(self, b: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
         """Log-probs of each next token; ``temperature`` matches the sampling distribution."""
         return _next_token_logprobs(
-            self.model, b, temperature, _unsampled_token_ids(self.image_inputs)
+            self.model, b, temperature, _unsampled_token_ids(self.image_inputs), self.dtype
         )
 
     def forward_backward(
@@ -255,6 +270,9 @@ class TorchTrainer:
         ``loss_config`` holds the loss's options (``clip_eps``, ``clip_eps_high``, ``loss_agg``)
         and optionally ``kl_coef`` / ``kl_estimator``: with ``kl_coef > 0`` the loss gains
         ``kl_coef * agg(kl(logp, ref_logp))`` against the reference model.
+        Where data carry the sampler's log-probs, the metrics include ``mismatch_kl``
+        (``algorithms.mismatch_kl``): sampler/trainer precision drift on an on-policy step; one
+        step off policy it includes one update's change as well.
         """
         options = dict(loss_config or {})
         kl_coef = float(options.pop("kl_coef", 0.0))
@@ -276,6 +294,9 @@ class TorchTrainer:
             kl = aggregate(kl_B_T, b["mask"])
             loss = loss + kl_coef * kl
             metrics["kl_ref"] = float(kl.detach())
+        if bool(b["has_old"].any()):
+            sampled_B_T = b["mask"] * b["has_old"].unsqueeze(-1)
+            metrics["mismatch_kl"] = float(mismatch_kl(logprobs_B_T, b["old"], sampled_B_T))
         self._backward(loss)
         return {"loss": float(loss.detach()), **metrics}
 
@@ -297,7 +318,7 @@ class TorchTrainer:
             reference = load_causal_lm(self.model_path).to(self.device).eval()
             self._reference = reference.requires_grad_(False)
         return _next_token_logprobs(
-            self._reference, b, temperature, _unsampled_token_ids(self.image_inputs)
+            self._reference, b, temperature, _unsampled_token_ids(self.image_inputs), self.dtype
         )
 
     @torch.no_grad()
@@ -336,6 +357,8 @@ class TorchTrainer:
 
     def save_state(self, storage_url: str, prefix: str, step: int, meta: dict[str, Any]) -> str:
         """Commit a resumable checkpoint: trainable weights, optimiser, RNG, step, ``meta``."""
+        from flowrl.infra.storage import Storage, commit_checkpoint
+
         optim, rng = io.BytesIO(), io.BytesIO()
         torch.save(self.optimizer.state_dict(), optim)
         torch.save({"torch": torch.get_rng_state()}, rng)
@@ -351,6 +374,8 @@ class TorchTrainer:
 
     def load_state(self, storage_url: str, prefix: str) -> dict[str, Any] | None:
         """Load the latest complete checkpoint under ``prefix``; its meta, or None if none."""
+        from flowrl.infra.storage import Storage, load_latest_checkpoint
+
         latest = load_latest_checkpoint(Storage(storage_url), prefix)
         if latest is None:
             return None
@@ -366,6 +391,8 @@ class TorchTrainer:
 
     def export_pretrained(self, storage_url: str, rel: str) -> str:
         """Write the policy as a plain HF folder (LoRA merged) under ``rel``; return its URI."""
+        from flowrl.infra.storage import Storage
+
         storage = Storage(storage_url)
         model = self.model
         if self.spec.lora.enabled:

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from flowrl.backends.precision import Precision
+
 
 @dataclass
 class Datum:
@@ -57,4 +59,9 @@ class WorkerSpec(BaseModel):
     torch_threads: int = Field(default=1, ge=1, description="torch intra-op threads per worker.")
     device: Literal["auto", "cpu", "cuda"] = Field(
         default="auto", description="Device for the weights; auto = cuda when visible."
+    )
+    dtype: Precision = Field(
+        default="auto",
+        description="Compute precision (auto = bfloat16 on CUDA, float32 on CPU); the trainer "
+        "keeps float32 master weights (backends.precision).",
     )

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from flowrl.agent_loop.types import SampleResult
 from flowrl.backends.chat import HFChatFormat
 from flowrl.backends.models import load_tokenizer, resolve_model_uri
+from flowrl.backends.precision import compute_dtype
 from flowrl.backends.types import WorkerSpec
 
 WORKER_EXTENSION = "flowrl.backends.vllm_sampler.WeightSyncExtension"
@@ -63,7 +64,7 @@ class VLLMSampler:
             model=self.model_path,
             tokenizer=self.model_path,
             seed=spec.seed,
-            dtype="auto",
+            dtype=str(compute_dtype(spec.dtype, torch.device("cuda"))).removeprefix("torch."),
             gpu_memory_utilization=gpu_memory_utilization,
             logprobs_mode="processed_logprobs",
             worker_extension_cls=WORKER_EXTENSION,

@@ -377,6 +377,12 @@ class GomokuTask(BaseModel):
     def make_env(self) -> GomokuEnv:
         return GomokuEnv(self)
 
+    def games(self) -> Any:
+        """The self-play side: two agents, X and O (``gomoku_duel.GomokuGames``)."""
+        from flowrl.environments.gomoku_duel import GomokuGames
+
+        return GomokuGames(self)
+
     def sft_example(self, row: dict[str, Any]) -> list[dict[str, str]]:
         """The game of ``row`` with the heuristic (never random) playing X as the assistant: it
         teaches the move format and sensible moves. Messages are exactly what the env shows."""

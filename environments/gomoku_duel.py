@@ -109,3 +109,26 @@ class GomokuDuel:
             "loss": int(winner is not None and winner != agent),
             "draw": int(self.turn is None and winner is None),
         }
+
+
+class GomokuGames:
+    """Gomoku's self-play side (``registry.make_games``): fresh duels, openings alternating who
+    moves first, and evaluation against the heuristic opponent (the task itself: its policy
+    sees the board from its own side, so one evaluation serves X, O and a shared policy)."""
+
+    agents = GomokuDuel.agents
+
+    def __init__(self, task: GomokuTask) -> None:
+        self.task = task
+
+    def make_game(self) -> GomokuDuel:
+        return GomokuDuel(self.task)
+
+    def openings(self, step: int, n: int) -> list[dict[str, Any]]:
+        return [{"first": "X" if (step + i) % 2 == 0 else "O"} for i in range(n)]
+
+    def head_to_head_rows(self) -> list[dict[str, Any]]:
+        return [{"first": "X"}, {"first": "O"}]
+
+    def versus(self, sides: tuple[str, ...]) -> GomokuTask:
+        return self.task

@@ -128,6 +128,10 @@ def check_environment(task: Any) -> None:
     (A task config was checked by validating its params.)"""
     if not isinstance(task, PluginTask):
         return
+    from flowrl.environments.games import GameTask, check_game
+
+    if isinstance(task, GameTask):
+        check_game(task)  # a game: its agents, first turn, observation and reference move
     name = task.loaded.name
     env = task.make_env()  # raises naming a bad parameter or the constructor's error
     try:

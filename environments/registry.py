@@ -17,7 +17,11 @@ What a name points to is either
   generated as ``{"seed": n}`` (``environments.plugin.PluginTask``); or
 - a **task config** — a pydantic model with ``make_env``, ``train_source``, ``eval_set`` and
   ``sft_example`` (``environments.types.TaskConfig``), validated from ``env.params``: the form of
-  the built-ins, which generate their own data.
+  the built-ins, which generate their own data; or
+- a **game** between agents — a class with ``agents``, ``current_agent``, ``observation``,
+  ``act``, ``final_rewards`` and ``opponent_move`` (``environments.games``): self-play plays its
+  agents against each other, and every other job sees it from one side against the game's
+  reference player (``VersusOpponent``).
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ class Loaded:
     """The class or factory the name points to."""
     is_task_config: bool
     """True for a task config (pydantic model building envs and data), False for an env."""
+    is_game: bool = False
+    """True for a game between agents (``environments.games``): self-play's contract."""
 
 
 def installed_names() -> list[str]:
@@ -90,6 +96,9 @@ def load(name: str) -> Loaded:
                 f"environment {name!r}: its entry point {matches[0].value!r} does not load: "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+    if _looks_like_game(target):
+        _check_game_contract(name, target)
+        return Loaded(name, target, is_task_config=False, is_game=True)
     return Loaded(name, target, _check_target(name, target))
 
 
@@ -136,6 +145,32 @@ def _check_target(name: str, target: Any) -> bool:
     return False
 
 
+def _looks_like_game(target: Any) -> bool:
+    """A class with turns between agents (``current_agent`` and ``act``) and no ``step``."""
+    return (
+        inspect.isclass(target)
+        and not issubclass(target, BaseModel)
+        and callable(getattr(target, "current_agent", None))
+        and callable(getattr(target, "act", None))
+        and not callable(getattr(target, "step", None))
+    )
+
+
+def _check_game_contract(name: str, target: Any) -> None:
+    from flowrl.environments.games import GAME_CONTRACT, game_agents
+
+    missing = [m for m in GAME_CONTRACT if not callable(getattr(target, m, None))]
+    if missing:
+        raise EnvironmentLoadError(
+            f"environment {name!r}: {target.__name__} looks like a game (current_agent, act) but "
+            f"lacks method(s) {', '.join(missing)} of the game API ({', '.join(GAME_CONTRACT)})"
+        )
+    try:
+        game_agents(target, name)
+    except ValueError as exc:
+        raise EnvironmentLoadError(str(exc)) from None
+
+
 def _check_contract(name: str, obj: Any) -> None:
     missing = [m for m in CONTRACT if not callable(getattr(obj, m, None))]
     if missing:
@@ -158,6 +193,11 @@ def env_builder(name: str, params: dict[str, Any] | None = None) -> Callable[[],
     loaded = load(name)
     if loaded.is_task_config:
         return loaded.target.model_validate(params or {}).make_env
+    if loaded.is_game:
+        from flowrl.environments.games import VersusOpponent
+
+        build = partial(construct, loaded, dict(params or {}))
+        return lambda: VersusOpponent(build())
     return partial(construct, loaded, dict(params or {}))
 
 
@@ -216,6 +256,34 @@ def make_task(
                 "environments given as a class; use env.params"
             )
         return loaded.target.model_validate(params or {})
+    if loaded.is_game:
+        from flowrl.environments.games import GameTask
+
+        return GameTask(loaded, dict(params or {}), data, eval_size, seed)
     from flowrl.environments.plugin import PluginTask
 
     return PluginTask(loaded, dict(params or {}), data, eval_size, seed)
+
+
+def make_games(
+    name: str,
+    params: dict[str, Any] | None = None,
+    *,
+    data: Any = None,
+    eval_size: int = 200,
+    seed: int = 0,
+) -> Any:
+    """The self-play side of ``name``: a ``GameTask`` for a game given as a class, or what a
+    task config's ``games()`` returns (flowrl's Gomoku). Raises ``EnvironmentLoadError`` for
+    an environment that is not a game between agents."""
+    task = make_task(name, params, data=data, eval_size=eval_size, seed=seed)
+    games = getattr(task, "games", None)
+    if load(name).is_game:
+        return task
+    if callable(games):
+        return games()
+    raise EnvironmentLoadError(
+        f"environment {name!r} is not a game between agents: self-play needs a class with "
+        "agents, current_agent, observation, act, final_rewards and opponent_move (README: "
+        "'Your own game')"
+    )

@@ -51,10 +51,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def _add_infra_commands(sub) -> None:
     infra = sub.add_parser("infra", help="Apply the scheduler declaration and deployments.")
-    infra.add_argument("action", choices=["up"])
+    infra.add_argument("action", choices=["up"], help="up: create or update them.")
     infra.add_argument("--no-deployments", action="store_true", help="Only pool/queues/limit.")
     stack = sub.add_parser("stack", help="The local stack (Prefect, worker, Ray, MLflow, S3).")
-    stack.add_argument("action", choices=["up", "down", "status", "env"])
+    stack.add_argument(
+        "action",
+        choices=["up", "down", "status", "env"],
+        help="up: start every component; down: stop them by PID; status: what runs; "
+        "env: the variables that point a shell at the stack.",
+    )
     stack.add_argument("--gpus", type=int, default=None, help="GPUs of the pool (default: yaml).")
     stack.add_argument("--no-ray", action="store_true", help="Do not start a Ray head.")
     stack.add_argument(
@@ -65,7 +70,14 @@ def _add_infra_commands(sub) -> None:
     submit = jsub.add_parser("submit", help="Submit a job to a deployment; prints its id.")
     submit.add_argument("deployment", help="Deployment name, e.g. rl-train or gpu-probe.")
     submit.add_argument("config", nargs="?", help="YAML job config (the `config` parameter).")
-    submit.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    submit.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="Override one config field (dotted path, YAML value); repeatable.",
+    )
     submit.add_argument(
         "--param",
         action="append",

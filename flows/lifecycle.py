@@ -61,11 +61,13 @@ class JobRun:
         self.config = config
         self.resume = resume
         settings = get_settings()
+        owner = f"{settings.namespace}-" if settings.namespace else ""
         self.ctx = JobContext(
             name=config.name,
             storage_url=settings.storage_root,
             cache_dir=settings.model_cache_dir,
-            run_name=f"{config.name}-{(flow_run.get_id() or 'local')[:8]}",
+            run_name=f"{owner}{config.name}-{(flow_run.get_id() or 'local')[:8]}",
+            namespace=settings.namespace,
         )
         self.storage = Storage(self.ctx.storage_url)
         self.run_id = ""
@@ -99,7 +101,9 @@ class JobRun:
         if self.resume and self.storage.exists(job_file):
             previous = self.storage.read_json(job_file).get("mlflow_run_id")
         params = redact(self.config.model_dump(mode="json"))
-        run_id = tracking.start_run(self.config.experiment, self.config.name, params, previous)
+        run_id = tracking.start_run(
+            self.config.experiment, self.config.name, params, previous, self.ctx.namespace
+        )
         self.storage.write_json(job_file, {"mlflow_run_id": run_id, "config": params})
         return run_id
 
@@ -176,7 +180,7 @@ class JobRun:
         tracking.end_run(self.run_id)
 
     def _prefect_artifacts(self, record: dict[str, Any], metrics: tuple[str, ...]) -> None:
-        key = _artifact_key(self.config.name)
+        key = _artifact_key(f"{self.ctx.namespace or ''}-{self.config.name}")
         link = tracking.run_url(self.run_id)
         create_link_artifact(
             link, link_text=f"MLflow run {self.run_id}", key=f"{key}-mlflow", description="MLflow"

@@ -46,14 +46,13 @@ def should_promote(champion: float | None, challenger: float, min_improvement: f
 
 def challenger_job(config: RetrainConfig, round_id: str, champion: str | None) -> RLJobConfig:
     job = config.job
-    name = job.registered_model_name
-    source = f"models:/{name}@{config.alias}" if champion else job.model.source
+    source = f"models:/{job.registered_model_name}@{config.alias}" if champion else job.model.source
     return job.model_copy(
         update={
             "name": f"{job.name[:48]}-{round_id}",
             "seed": derived_seed(job.seed, round_id) % 2**31,
             "model": job.model.model_copy(update={"source": source}),
-            "register_as": name,
+            "register_as": job.model_name,
         }
     )
 
@@ -86,7 +85,10 @@ def record_decision(config: RetrainConfig, d: RetrainDecision) -> RetrainDecisio
         "flowrl.retrain.challenger_version": d.challenger_version,
         "flowrl.retrain.min_improvement": str(config.min_improvement),
     }
-    run_id = tracking.start_run(config.job.experiment, f"retrain-{d.model_name}", tags)
+    namespace = get_settings().namespace
+    run_id = tracking.start_run(
+        config.job.experiment, f"retrain-{d.model_name}", tags, namespace=namespace
+    )
     for key, value in tags.items():
         c.set_tag(run_id, key, value)
     metrics = {"retrain/challenger_accuracy": d.challenger_accuracy}

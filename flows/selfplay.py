@@ -1,5 +1,6 @@
-"""The self-play flow: two agents play two-player Gomoku; each has its own policy (sampler +
-trainer actors, optimiser, checkpoint, registry entry) or one shared policy plays both sides.
+"""The self-play flow: the agents of a game (flowrl's Gomoku, or a user's game given as a
+class) play each other; each has its own policy (sampler + trainer actors, optimiser,
+checkpoint, registry entry) or one shared policy plays every side.
 
 Phase barriers: every step runs ``duel-rollout`` (all games of both agents) to completion before
 any ``update`` starts, and every agent's update (with its weight sync) completes before the
@@ -16,8 +17,14 @@ from flowrl.backends.actors import PolicyRef
 from flowrl.flows.lifecycle import JobRun, due, task_runner
 from flowrl.tasks.jobs import SelfPlayJobConfig
 from flowrl.tasks.model import prepare_model, register, warmup
-from flowrl.tasks.rl import checkpoint, evaluate, score, update
-from flowrl.tasks.selfplay import agent_context, duel_rollout, head_to_head, trained_policies
+from flowrl.tasks.rl import checkpoint, score, update
+from flowrl.tasks.selfplay import (
+    agent_context,
+    duel_rollout,
+    head_to_head,
+    trained_policies,
+    versus_opponent,
+)
 
 
 @dataclass(frozen=True)
@@ -26,7 +33,8 @@ class SelfPlayResult:
     model_uris: dict[str, str]
     """Registered version of each trained policy (``X``/``O``, or ``shared``)."""
     score_vs_heuristic: dict[str, float]
-    """Final win-or-draw share of each trained policy against the heuristic opponent."""
+    """Final success share of each trained policy against the game's reference opponent
+    (Gomoku: win or draw against the heuristic)."""
     mlflow_run_id: str
 
 
@@ -59,7 +67,7 @@ def self_play(config: SelfPlayJobConfig = SelfPlayJobConfig()) -> SelfPlayResult
         uris = {}
         for o in owners:
             checkpoint.submit(config, ctxs[o], refs[o], config.schedule.steps, {}).result()
-            named = config.model_copy(update={"register_as": f"{config.registered_model_name}-{o}"})
+            named = config.model_copy(update={"register_as": f"{config.model_name}-{o}"})
             metrics = {k: v for k, v in final.items() if k.startswith(f"eval/{o}/")}
             submitted = register.submit(named, ctxs[o], refs[o], job.run_id, metrics, base_uri)
             uris[o] = submitted.result()
@@ -78,8 +86,14 @@ def _evaluate(
     refs: dict[str, PolicyRef],
     by_agent: dict[str, PolicyRef],
 ) -> dict[str, float]:
-    """Each trained policy against the fixed heuristic opponent, and the agents head to head."""
-    futures = {o: evaluate.submit(config, job.ctx, model_uri, ref) for o, ref in refs.items()}
+    """Each trained policy against the game's reference opponent (on its own side, or every
+    side for a shared policy), and the agents head to head."""
+    futures = {
+        o: versus_opponent.submit(
+            config, job.ctx, model_uri, ref, config.agents if o == "shared" else (o,)
+        )
+        for o, ref in refs.items()
+    }
     h2h = head_to_head.submit(config, job.ctx, model_uri, by_agent)
     metrics = h2h.result()
     for owner, future in futures.items():

@@ -186,9 +186,14 @@ class JobClient:
         name = _job_name(self.parameters(run_id))
         if name is None:
             return {}
+        from flowrl.infra.settings import get_settings
+
+        namespace = get_settings().namespace or ""
         runs = mlflow_client().search_runs(
             experiment_ids=[e.experiment_id for e in mlflow_client().search_experiments()],
-            filter_string=f"tags.`flowrl.job` = '{name}'",
+            filter_string=(
+                f"tags.`flowrl.job` = '{name}' and tags.`flowrl.namespace` = '{namespace}'"
+            ),
             order_by=["attributes.start_time DESC"],
             max_results=1,
         )
@@ -196,13 +201,14 @@ class JobClient:
 
     def result(self, run_id: str) -> dict[str, Any] | None:
         """The job's ``result.json`` in storage (model URI, MLflow run), once it finished."""
-        from flowrl.infra.settings import get_settings
+        from flowrl.infra.settings import get_settings, job_prefix
         from flowrl.infra.storage import Storage
 
         params = self.parameters(run_id)
         name = _job_name(params)
         if name is None:
             return None
-        storage = Storage(get_settings().storage_root)
-        rel = f"jobs/{name}/result.json"
+        settings = get_settings()
+        storage = Storage(settings.storage_root)
+        rel = f"{job_prefix(name, settings.namespace)}/result.json"
         return storage.read_json(rel) if storage.exists(rel) else None

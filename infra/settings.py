@@ -14,6 +14,21 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+NAMESPACE_PATTERN = r"^[a-z0-9][a-z0-9-]{0,31}$"
+"""A namespace: lowercase letters, digits and dashes (it names folders and model prefixes)."""
+
+
+def scoped_model_name(name: str, namespace: str | None) -> str:
+    """A registered model's name in ``namespace``: ``<namespace>_<name>`` (MLflow names allow no
+    dot); unscoped without one. Neither a namespace nor a job's own ``register_as`` holds a
+    ``_``, so no job reaches another namespace's names."""
+    return f"{namespace}_{name}" if namespace else name
+
+
+def job_prefix(name: str, namespace: str | None) -> str:
+    """A job's storage prefix: ``jobs/<name>``, under ``ns/<namespace>/`` in a namespace."""
+    return f"ns/{namespace}/jobs/{name}" if namespace else f"jobs/{name}"
+
 
 class Settings(BaseSettings):
     """Engine locations. Each field reads ``FLOWRL_<FIELD>`` from the environment."""
@@ -50,6 +65,13 @@ class Settings(BaseSettings):
         default=None,
         description="Root URL for checkpoints, caches and results (any fsspec URL, "
         "e.g. s3://bucket/x); unset = <home>/storage.",
+    )
+
+    namespace: str | None = Field(
+        default=None,
+        pattern=NAMESPACE_PATTERN,
+        description="Owner of the jobs this process runs: scopes their storage prefix, "
+        "warm-up cache, MLflow run and registered model names; unset = the shared space.",
     )
 
     scheduler_file: Path | None = Field(

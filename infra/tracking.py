@@ -17,6 +17,9 @@ from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunT
 from flowrl.infra.redact import redact, redact_text
 from flowrl.infra.settings import get_settings
 
+NAMESPACE_TAG = "flowrl.namespace"
+"""Tag of a run and a registered model: the namespace of the job that created it."""
+
 
 def client() -> MlflowClient:
     uri = get_settings().tracking_uri
@@ -68,9 +71,14 @@ def experiment_id(name: str) -> str:
 
 
 def start_run(
-    experiment: str, run_name: str, params: dict[str, Any], run_id: str | None = None
+    experiment: str,
+    run_name: str,
+    params: dict[str, Any],
+    run_id: str | None = None,
+    namespace: str | None = None,
 ) -> str:
-    """Resume ``run_id`` if given and present, else create a run and log ``params``."""
+    """Resume ``run_id`` if given and present, else create a run and log ``params``; the run is
+    tagged with the job (``flowrl.job``) and its owner (``flowrl.namespace``)."""
     c = client()
     if run_id is not None:
         try:
@@ -80,7 +88,8 @@ def start_run(
         except mlflow.exceptions.MlflowException:
             pass  # the tracking store was reset: start afresh
     exp_id = experiment_id(experiment)
-    run = c.create_run(exp_id, run_name=run_name, tags={"flowrl.job": run_name})
+    tags = {"flowrl.job": run_name, NAMESPACE_TAG: namespace or ""}
+    run = c.create_run(exp_id, run_name=run_name, tags=tags)
     flat = flatten(params)
     c.log_batch(run.info.run_id, params=[Param(k, v[:6000]) for k, v in flat.items()])
     return run.info.run_id
@@ -248,11 +257,20 @@ def register_policy(
             for item in lineage.data
         ]
         c.log_inputs(run_id, datasets=inputs)
+    namespace = get_settings().namespace or ""
     try:
-        c.get_registered_model(name)
+        owner = c.get_registered_model(name).tags.get(NAMESPACE_TAG, "")
     except mlflow.exceptions.MlflowException:
         c.create_registered_model(
-            name, description="flowrl chat policy (MLflow pyfunc model holding an HF folder)"
+            name,
+            tags={NAMESPACE_TAG: namespace},
+            description="flowrl chat policy (MLflow pyfunc model holding an HF folder)",
+        )
+        owner = namespace
+    if owner != namespace:
+        raise PermissionError(
+            f"registered model {name!r} belongs to namespace {owner or '(shared)'!r}, "
+            f"not to this job's {namespace or '(shared)'!r}"
         )
     description = _describe(lineage, metrics, run_id)
     tags = lineage.tags() | {k.replace("/", "."): f"{v:.4f}" for k, v in metrics.items()}

@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -31,15 +32,20 @@ from flowrl.backends.algorithms import (
     POLICY_LOSSES,
 )
 from flowrl.backends.models import TinyModelSpec
+from flowrl.backends.precision import Precision
 from flowrl.backends.types import LoraSettings
 from flowrl.environments.data import ROW_FORMATS
 from flowrl.environments.plugin import check_environment
-from flowrl.environments.registry import EnvironmentLoadError, load, make_task
+from flowrl.environments.registry import EnvironmentLoadError, load, make_games, make_task
 from flowrl.environments.types import TaskConfig
 from flowrl.infra.configfile import Config, load_config
 from flowrl.infra.redact import redact_text
+from flowrl.infra.settings import get_settings, scoped_model_name
 
 JOB_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9-]{0,79}$"
+"""``register_as``: no ``_`` (the namespace separator), so a job never names a model of another
+namespace."""
 
 
 def _no_credentials(uri: str) -> str:
@@ -143,6 +149,12 @@ class EnvSection(_Section):
         """The environment's task config; ``seed`` (the job's) seeds generated training rows
         and the shuffling of row files."""
         return make_task(
+            self.name, self.params, data=self.data, eval_size=self.eval_size, seed=seed
+        )
+
+    def games(self, seed: int = 0) -> Any:
+        """The environment's self-play side (a game between agents); raises naming why not."""
+        return make_games(
             self.name, self.params, data=self.data, eval_size=self.eval_size, seed=seed
         )
 
@@ -314,15 +326,23 @@ class ResourcesSection(_Section):
         description="GPU slots the job holds for its whole run (scheduler's `gpu` limit); "
         "0 = CPU job.",
     )
+    dtype: Precision = Field(
+        default="auto",
+        description="Precision of the sampler and trainer: float32, bfloat16, or auto (bfloat16 "
+        "on CUDA, float32 on CPU). The trainer keeps float32 master weights and AdamW state "
+        "(bf16 autocast forward); log-probs are float32.",
+    )
 
     def plan(self) -> WorkerPlan:
         """How every policy worker of the job starts, warm-up included: the job's GPU slots
-        split between a policy's sampler and trainer unless set per worker, and its backends."""
+        split between a policy's sampler and trainer unless set per worker, its backends and
+        its precision."""
         return WorkerPlan(
             resources=ActorResources(num_cpus=1, num_gpus=self.gpus_per_worker or self.gpus / 2),
             sampler_backend=self.sampler_backend,
             trainer_backend=self.trainer_backend,
             torch_threads=self.torch_threads,
+            dtype=self.dtype,
         )
 
 
@@ -389,12 +409,22 @@ class TrainingJobConfig(JobConfig):
     """A job whose result is a new registered model version."""
 
     register_as: str | None = Field(
-        default=None, description="Registered model name in MLflow; unset = the job name."
+        default=None,
+        pattern=MODEL_NAME_PATTERN,
+        description="Registered model name in MLflow (in the job's namespace, if any); "
+        "unset = the job name.",
     )
 
     @property
-    def registered_model_name(self) -> str:
+    def model_name(self) -> str:
+        """The registered model's own name, before any namespace."""
         return self.register_as or self.name
+
+    @property
+    def registered_model_name(self) -> str:
+        """The name registered in MLflow: ``<FLOWRL_NAMESPACE>.<model_name>``, or
+        ``model_name`` without a namespace."""
+        return scoped_model_name(self.model_name, get_settings().namespace)
 
     @property
     def optimiser(self) -> AlgorithmSection | SFTTrainSection:
@@ -456,28 +486,40 @@ def _tic_tac_toe() -> EnvSection:
 
 
 class SelfPlayJobConfig(RLJobConfig):
-    """Two agents play two-player Gomoku against each other; each learns (or one shared
-    policy plays both sides). Every RL field keeps its meaning, applied per trained policy."""
+    """Agents of a game play each other: flowrl's Gomoku (X and O) or a user's game given as a
+    class (README: "Your own game"); each agent learns, or one shared policy plays every side.
+    Every RL field keeps its meaning, applied per trained policy."""
 
     name: str = Field(
         default="gomoku-selfplay",
         pattern=JOB_NAME_PATTERN,
         description="Job name: storage prefix, MLflow run name.",
     )
-    env: EnvSection = Field(default_factory=_tic_tac_toe, description="A gomoku environment.")
+    env: EnvSection = Field(
+        default_factory=_tic_tac_toe,
+        description="A game between agents: gomoku, or a class with the game API.",
+    )
     shared_policy: bool = Field(
         default=False,
-        description="One policy plays both sides (self-play) instead of one policy per agent.",
+        description="One policy plays every side (self-play) instead of one policy per agent.",
     )
+    _agents: tuple[str, ...] = PrivateAttr(default=())
 
     @property
     def agents(self) -> tuple[str, ...]:
-        return ("X", "O")
+        """The game's agents, in turn order of its ``agents`` tuple."""
+        return self._agents or tuple(self.games().agents)
+
+    def games(self) -> Any:
+        """The self-play side of the environment (``registry.make_games``)."""
+        return self.env.games(self.seed)
 
     @model_validator(mode="after")
-    def _gomoku_only(self) -> SelfPlayJobConfig:
-        if self.env.name != "gomoku":
-            raise ValueError(f"self-play needs env.name 'gomoku', got {self.env.name!r}")
+    def _a_game(self) -> SelfPlayJobConfig:
+        try:
+            self._agents = tuple(self.games().agents)
+        except EnvironmentLoadError as exc:
+            raise ValueError(str(exc)) from None
         if self.env.mode != "local":
             raise ValueError("self-play runs its games in the rollout task (env.mode 'local')")
         if self.schedule.off_policy_steps:

@@ -91,7 +91,7 @@ def warmup(cfg: RLJobConfig, ctx: JobContext, base_uri: str) -> WarmupResult:
     # Where episodes run (mode, service, actors) does not change what warm-up learns.
     env = cfg.env.model_dump(exclude={"mode", "service_url", "ray_actors"})
     key = stable_hash(base_uri, env, cfg.warmup.model_dump(), cfg.seed, code)
-    rel = f"cache/warmup-{key}"
+    rel = f"{ctx.cache_prefix}/warmup-{key}"
     if storage.exists(f"{rel}/{DONE_MARKER}"):
         done = storage.read_json(f"{rel}/{DONE_MARKER}")
         return WarmupResult(done["model_uri"], done["accuracy"], done["steps"], cached=True)

@@ -1,4 +1,5 @@
-"""Self-play stages: duel rollouts between agents, and head-to-head evaluation.
+"""Self-play stages: duel rollouts between agents, head-to-head games, and each policy's
+evaluation against the game's reference opponent.
 
 Each agent keeps its own storage prefix (``jobs/<job>/agent-<A>``) for step records and
 checkpoints, so the per-agent reward/update tasks of ``tasks.rl`` run unchanged on it.
@@ -15,12 +16,17 @@ from prefect.cache_policies import NO_CACHE
 
 from flowrl.agent_loop.coordinator import run_multiagent_episodes
 from flowrl.backends.actors import PolicyRef
-from flowrl.environments.gomoku_duel import GomokuDuel
 from flowrl.infra.storage import Storage
-from flowrl.tasks.common import SeededSampler, chat_format, derived_seed, episode_metrics
+from flowrl.tasks.common import (
+    SeededSampler,
+    chat_format,
+    derived_seed,
+    episode_metrics,
+    evaluate_policy,
+)
 from flowrl.tasks.jobs import SelfPlayJobConfig
 from flowrl.tasks.records import save_trajectories
-from flowrl.tasks.types import DuelResult, JobContext, RolloutBatch
+from flowrl.tasks.types import DuelResult, EvalResult, JobContext, RolloutBatch
 
 
 def agent_context(ctx: JobContext, agent: str) -> JobContext:
@@ -41,7 +47,8 @@ def _duel(
 ):
     limits = cfg.rollout.limits(greedy=greedy)
     samplers = {a: SeededSampler(p, derived_seed(seed, a)) for a, p in policies.items()}
-    envs = [GomokuDuel(cfg.env.task(cfg.seed)) for _ in rows]
+    games = cfg.games()
+    envs = [games.make_game() for _ in rows]
     chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format)
     return envs, run_multiagent_episodes(envs, rows, samplers, chat, limits)
 
@@ -61,7 +68,7 @@ def duel_rollout(
     """
     started = time.perf_counter()
     n, g = cfg.rollout.prompts_per_step, cfg.rollout.group_size
-    rows = [{"first": "X" if (step + i) % 2 == 0 else "O"} for i in range(n) for _ in range(g)]
+    rows = [dict(row) for row in cfg.games().openings(step, n) for _ in range(g)]
     _, out = _duel(cfg, ctx, model_uri, policies, rows, derived_seed(cfg.seed, "duel", step))
     metrics: dict[str, float] = {}
     for agent, trajectories in out.items():
@@ -82,15 +89,39 @@ def duel_rollout(
 def head_to_head(
     cfg: SelfPlayJobConfig, ctx: JobContext, model_uri: str, policies: dict[str, PolicyRef]
 ) -> dict[str, float]:
-    """Greedy games between the agents, each side opening half of them: X's win/draw/loss."""
-    rows = [{"first": "X"}, {"first": "O"}]
-    envs, _ = _duel(cfg, ctx, model_uri, policies, rows, seed=0, greedy=True)
-    winners = [env.winner() for env in envs]
-    return {
-        "h2h/x_wins": float(winners.count("X")),
-        "h2h/o_wins": float(winners.count("O")),
-        "h2h/draws": float(winners.count(None)),
-    }
+    """Greedy games between the agents on the game's head-to-head rows (Gomoku: each side
+    opens once): wins per agent (the one best final reward), draws, and failed games."""
+    rows = cfg.games().head_to_head_rows()
+    envs, out = _duel(cfg, ctx, model_uri, policies, rows, seed=0, greedy=True)
+    failed = {t.group_id for ts in out.values() for t in ts if t.failed}
+    winners = [None if i in failed else game_winner(env) for i, env in enumerate(envs)]
+    metrics = {f"h2h/{a.lower()}_wins": float(winners.count(a)) for a in cfg.agents}
+    draws = winners.count(None) - len(failed)
+    return metrics | {"h2h/draws": float(draws), "h2h/failed": float(len(failed))}
+
+
+def game_winner(game: Any) -> str | None:
+    """The agent with the single best final reward; None for a draw."""
+    finals = game.final_rewards()
+    best = max(finals.values(), default=0.0)
+    leaders = [a for a, r in finals.items() if r == best]
+    return leaders[0] if len(leaders) == 1 else None
+
+
+@task(name="versus-opponent", cache_policy=NO_CACHE)
+def versus_opponent(
+    cfg: SelfPlayJobConfig,
+    ctx: JobContext,
+    model_uri: str,
+    policy: PolicyRef,
+    sides: tuple[str, ...],
+) -> EvalResult:
+    """Greedy games of ``policy`` playing ``sides`` against the game's reference opponent
+    (Gomoku: the heuristic) on the held-out rows; accuracy is the share of successes."""
+    task_cfg = cfg.games().versus(sides)
+    chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format)
+    limits = cfg.rollout.limits(greedy=True)
+    return evaluate_policy(task_cfg, policy, chat, limits, success=cfg.env.success)
 
 
 def trained_policies(cfg: SelfPlayJobConfig) -> tuple[str, ...]:

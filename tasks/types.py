@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from flowrl.infra.settings import job_prefix
+
 
 @dataclass(frozen=True)
 class JobContext:
@@ -17,10 +19,17 @@ class JobContext:
     """Local folder for copies of remote models."""
     run_name: str
     """Unique per flow run: prefixes actor names so concurrent jobs never collide."""
+    namespace: str | None = None
+    """The job's owner (``FLOWRL_NAMESPACE``): a job is identified by (namespace, name)."""
 
     @property
     def prefix(self) -> str:
-        return f"jobs/{self.name}"
+        return job_prefix(self.name, self.namespace)
+
+    @property
+    def cache_prefix(self) -> str:
+        """Content-addressed results this namespace's jobs share (warm-up)."""
+        return f"ns/{self.namespace}/cache" if self.namespace else "cache"
 
     @property
     def checkpoint_prefix(self) -> str:

@@ -27,15 +27,17 @@ os.environ.update(QUIET_TEST_ENV)
 # the last measurement), so no long module is left to run alone at the end.
 SLOW_MODULES = (
     "test_deployments.py",  # ~370 s: every deployment through the worker, its own stack
-    "test_plugins.py",  # ~380 s: six jobs of a user's environment, the README example
+    "test_plugins.py",  # ~400 s: six `flowrl train` runs of a user's environment, the README
     "test_stack.py",  # ~215 s: the whole local stack, lease expiry, load test
     "test_model_families.py",  # ~230 s: six RL jobs of three model families, local and S3
     "test_flow_e2e.py",  # ~180 s: an 80-step RL job
     "test_resume_kill.py",  # ~130 s: two training processes
     "test_flow_s3.py",  # ~115 s: a 20 s S3 outage mid-checkpoint
+    "test_games.py",  # ~140 s: the README's Nim game through `flowrl selfplay`
     "test_lifecycle.py",  # ~100 s: a job of every kind
     "test_retrain.py",  # ~80 s
     "test_layering.py",  # ~60 s: a wheel build and a job in a user folder
+    "test_namespaces.py",  # ~60 s: two namespaces' jobs at once, storage on S3
     "test_sft.py",  # ~50 s
     "test_tokenizer_compat.py",  # ~45 s: installs transformers 4.x into a temp folder
     "test_mlflow_model.py",  # ~30 s: mlflow models serve
@@ -204,3 +206,27 @@ def stack_env(local_stack, monkeypatch: pytest.MonkeyPatch) -> Iterator:
         monkeypatch.setenv(key, value)
     with temporary_settings(updates={PREFECT_API_URL: local_stack.env["PREFECT_API_URL"]}):
         yield local_stack
+
+
+# ------------------------------------------------------------------ a tiny model and prompts
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The default tiny Llama (random weights, local tokenizer) in a module's temp folder."""
+    from flowrl.backends.models import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(TinyModelSpec(), str(tmp_path_factory.mktemp("tiny")))
+
+
+@pytest.fixture(scope="module")
+def prompts(model_dir: str) -> list[list[int]]:
+    """Chat prompts of three different lengths (the sampler must left-pad them)."""
+    from flowrl.backends.chat import HFChatFormat
+    from flowrl.backends.models import load_tokenizer
+
+    chat = HFChatFormat(load_tokenizer(model_dir))
+    questions = ["1+1?", "What is 12 * 13? Think step by step.", "Hi"]
+    encoded = [chat.encode_prompt([{"role": "user", "content": q}]) for q in questions]
+    assert len({len(p) for p in encoded}) == 3
+    return encoded

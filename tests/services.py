@@ -1,10 +1,18 @@
-"""Starting the environment service for a test: ``python -m flowrl.environments.service`` on a
-free loopback port, as an operator would; the caller stops it by PID."""
+"""Servers a test starts as an operator would, on free loopback ports, stopped by PID: the
+environment service (``python -m flowrl.environments.service``) and a Ray cluster head."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from flowrl.infra.servers import free_port, wait_for_http
@@ -32,3 +40,45 @@ def start_env_service(
     url = f"http://127.0.0.1:{port}"
     wait_for_http(f"{url}/health", timeout=60, process=proc)
     return url, proc
+
+
+@contextlib.contextmanager
+def ray_head(env: dict[str, str], num_cpus: int = 8) -> Iterator[str]:
+    """A Ray cluster head on loopback (``ray start --head --block``, its own process group),
+    as an operator starts one; workers get ``env`` (e.g. the ``PYTHONPATH`` holding a user's
+    package, as an image would). Yields its address; stopped by PID (SIGTERM to the group,
+    SIGKILL if it lingers)."""
+    port = free_port()
+    temp = tempfile.mkdtemp(prefix="flowrl-ray-")  # short: Ray's socket paths stay < 107 chars
+    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block"]
+    cmd += ["--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", str(num_cpus)]
+    cmd += ["--num-gpus", "0", "--include-dashboard", "false", "--disable-usage-stats"]
+    proc = subprocess.Popen(
+        [*cmd, "--temp-dir", temp],
+        env={**env, "RAY_USAGE_STATS_ENABLED": "0"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not _listening(port):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the Ray head did not start (exit {proc.poll()})")
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, sig)
+            try:
+                proc.wait(timeout=30)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0

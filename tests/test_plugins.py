@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from services import start_env_service
+from services import ray_head, start_env_service
 
 from flowrl.cli import main
 from flowrl.environments.plugin import TRAIN_SEED_SPACING, PluginTask, play
@@ -255,82 +255,78 @@ def test_the_service_serves_a_user_class_only_when_started_with_it(user_folder):
     assert failed.returncode != 0 and "cannot import module 'nope'" in failed.stderr
 
 
-JOBS_SCRIPT = """
-import json, sys
-from flowrl.flows.rl import rl_train
-from flowrl.infra.settings import get_settings
-from flowrl.tasks.jobs import load_job
-
-import ray
-
-get_settings().apply_to_environment()
-# One Ray for the six jobs: a flow finding Ray initialised uses it and leaves it running.
-ray.init(num_cpus=4, include_dashboard=False, namespace="flowrl", log_to_driver=False)
-results = {}
-for job in json.loads(sys.argv[1]):
-    config = load_job(sys.argv[2], job["overrides"])
-    result = rl_train(config)
-    results[job["key"]] = {"model_uri": result.model_uri, "run": result.mlflow_run_id}
-# Every job stopped its environment actors (ray mode) when it ended (ray.kill is asynchronous).
-import time
-for _ in range(50):
-    named = ray.util.list_named_actors(all_namespaces=True)
-    results["env_actors_left"] = [a["name"] for a in named if "-envs-" in a["name"]]
-    if not results["env_actors_left"]:
-        break
-    time.sleep(0.2)
-print("RESULTS " + json.dumps(results))
+ACTORS_LEFT = """
+import sys, ray
+ray.init(address=sys.argv[1], namespace="flowrl", log_to_driver=False)
+named = ray.util.list_named_actors(all_namespaces=True)
+print("ACTORS " + ",".join(a["name"] for a in named if "-envs-" in a["name"]))
 """
 
 
 def test_a_user_environment_trains_in_every_mode_both_ways_of_naming_it(
-    user_folder, installed_package, tmp_path
+    user_folder, installed_package, tmp_path, prefect_api
 ):
-    """Six short jobs in one Python process (the Python user path), each a different (name,
-    mode); the environment module reaches the flow's Ray workers and the environment service
-    through PYTHONPATH, as the README says. Each job's episodes really ran where its mode says:
-    the service counted the http jobs' steps."""
+    """Six short jobs, each ``flowrl train`` with a different (name, mode), on a Ray cluster
+    (a head on loopback whose workers have the user's module on their path, as an image
+    would) and the environment service started with both names. Each job registers a version;
+    the http jobs' episodes were played by the service; the ray-mode jobs' environment actors
+    are gone from the cluster once they end."""
+    from prefect.settings import PREFECT_API_URL
+
     env = _with_path(dict(os.environ), user_folder, installed_package)
     env["FLOWRL_HOME"] = str(tmp_path / "home")
+    env.pop("MLFLOW_TRACKING_URI", None)
+    flowrl = str(Path(sys.executable).with_name("flowrl"))
     url, proc = start_env_service("my_recall:Recall", "recall-game", env=env)
-    jobs = []
-    for name in ("my_recall:Recall", "recall-game"):
-        for mode in ("local", "ray", "http"):
-            key = f"{name}/{mode}"
-            overrides = [
-                f"name=plug-{len(jobs)}",
-                f"env.name={name}",
-                f"env.mode={mode}",
-                "schedule.steps=2",
-                "schedule.eval_every=2",
-                "warmup.enabled=false",  # warm-up from demonstrations: the README test
-                "rollout.prompts_per_step=4",
-                "env.eval_size=16",
-            ]
-            if mode == "http":
-                overrides.append(f"env.service_url={url}")
-            jobs.append({"key": key, "overrides": overrides})
     try:
-        done = subprocess.run(
-            [sys.executable, "-c", JOBS_SCRIPT, json.dumps(jobs), str(EXAMPLE / "recall.yaml")],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
+        with ray_head(env) as address:
+            env |= {
+                "FLOWRL_RAY_ADDRESS": address,
+                "RAY_AUTH_MODE": "token",
+                "PREFECT_API_URL": PREFECT_API_URL.value(),  # the session's API: no cold start
+            }
+            registered = {}
+            for name in ("my_recall:Recall", "recall-game"):
+                for mode in ("local", "ray", "http"):
+                    job = f"plug-{len(registered)}"
+                    overrides = [
+                        f"name={job}",
+                        f"env.name={name}",
+                        f"env.mode={mode}",
+                        "schedule.steps=2",
+                        "schedule.eval_every=2",
+                        "warmup.enabled=false",  # warm-up from demonstrations: the README test
+                        "rollout.prompts_per_step=4",
+                        "env.eval_size=16",
+                    ] + ([f"env.service_url={url}"] if mode == "http" else [])
+                    done = subprocess.run(
+                        [flowrl, "train", str(EXAMPLE / "recall.yaml")]
+                        + [a for o in overrides for a in ("--set", o)],
+                        env=env,
+                        capture_output=True,
+                        text=True,
+                        timeout=600,
+                    )
+                    assert done.returncode == 0, (name, mode, done.stderr[-3000:])
+                    registered[f"{name}/{mode}"] = f"models:/{job}/1" in done.stdout
+            left = subprocess.run(
+                [sys.executable, "-c", ACTORS_LEFT, address],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
         import httpx
 
         steps = httpx.get(f"{url}/stats").json()["steps"]
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert all(registered.values()) and len(registered) == 6, registered
     assert steps > 0  # the http jobs' episodes were played by the service
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULTS "))
-    results = json.loads(line[len("RESULTS ") :])
-    assert results.pop("env_actors_left") == []  # the ray-mode jobs' actors are gone
-    assert sorted(results) == sorted(job["key"] for job in jobs)
-    assert all(r["model_uri"].startswith("models:/plug-") for r in results.values())
+    assert left.returncode == 0, left.stderr[-2000:]
+    actors = next(x for x in left.stdout.splitlines() if x.startswith("ACTORS "))
+    assert actors == "ACTORS ", actors  # the ray-mode jobs stopped their environment actors
 
 
 def test_the_readme_example_trains_with_the_readme_command_and_reward_rises(tmp_path):

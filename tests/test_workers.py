@@ -26,8 +26,6 @@ from flowrl.backends.actors import (
 )
 from flowrl.backends.chat import HFChatFormat
 from flowrl.backends.models import (
-    TinyModelSpec,
-    build_tiny_model,
     load_causal_lm,
     load_tokenizer,
 )
@@ -39,21 +37,6 @@ torch.set_num_threads(1)
 MAX_NEW_TOKENS = 12
 LORA = LoraSettings(enabled=True, r=4, alpha=8)
 _names = itertools.count()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return build_tiny_model(TinyModelSpec(), str(tmp_path_factory.mktemp("tiny")))
-
-
-@pytest.fixture(scope="module")
-def prompts(model_dir: str) -> list[list[int]]:
-    """Chat prompts of three different lengths (the sampler must left-pad them)."""
-    chat = HFChatFormat(load_tokenizer(model_dir))
-    questions = ["1+1?", "What is 12 * 13? Think step by step.", "Hi"]
-    encoded = [chat.encode_prompt([{"role": "user", "content": q}]) for q in questions]
-    assert len({len(p) for p in encoded}) == 3
-    return encoded
 
 
 @pytest.fixture

@@ -1,0 +1,42 @@
+"""The workers' precision (``resources.dtype``): one policy for every sampler and trainer.
+
+- **Sampler** (``HFSampler``; vLLM's ``dtype``): weights and activations in the compute dtype.
+- **Trainer** (``TorchTrainer`` and the DeepSpeed trainers): float32 master weights, float32
+  gradients and float32 AdamW state, whatever the compute dtype; with bfloat16 the forward pass
+  runs under ``torch.autocast`` (matmuls in bf16 from weights rounded on the fly), so updates
+  smaller than bf16's resolution still accumulate in the master weights.
+- **Log-probs**: the logits are upcast to float32 before the log-softmax on both sides
+  (``algorithms.token_logprobs``), so the loss, the ratio and every KL see float32 numbers.
+- **Weight sync**: the trainer sends its float32 weights; loading them into a bf16 sampler rounds
+  them to nearest, the same rounding autocast applies in the trainer's forward.
+
+The two sides still differ in bf16 (the sampler keeps its residual stream in bf16, the
+trainer's stays float32): ``train/mismatch_kl`` (``algorithms.mismatch_kl``) shows how much.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Literal
+
+import torch
+
+Precision = Literal["auto", "float32", "bfloat16"]
+"""``resources.dtype`` / ``WorkerSpec.dtype``; auto = bfloat16 on CUDA, float32 elsewhere."""
+
+
+def compute_dtype(precision: Precision, device: torch.device) -> torch.dtype:
+    """The dtype a worker on ``device`` computes in for ``precision``."""
+    if precision == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[precision]
+
+
+def forward_autocast(
+    dtype: torch.dtype, device: torch.device
+) -> contextlib.AbstractContextManager[None]:
+    """Context for the trainer's forward pass: bf16 autocast over float32 master weights, or
+    nothing at float32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
