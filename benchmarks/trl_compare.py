@@ -480,7 +480,8 @@ def analysis(all_runs: dict[str, dict[str, Any]]) -> str:
     """The numbers behind the verdict, as sentences (the same run's numbers)."""
     out = []
     for size, runs in all_runs.items():
-        off, on, trl = runs["flowrl"], runs["flowrl-onpolicy"], runs["trl-1t"]
+        off, on = runs["flowrl"], runs["flowrl-onpolicy"]
+        trl = next(r for side, r in runs.items() if side.startswith("trl-"))  # fewest threads
         p, q, t = off["profile"], on["profile"], trl["profile"]
         ratio = steady(trl) / steady(off)
         gen, rest = t["generate"], t["step"] - t["generate"]
@@ -627,7 +628,13 @@ def main() -> None:
         + ", ".join(f"{k} {v.steps}" for k, v in SIZES.items())
         + ")",
     )
-    parser.add_argument("--trl-threads", type=int, nargs="+", default=[1])
+    parser.add_argument(
+        "--trl-threads",
+        type=int,
+        nargs="+",
+        default=[1, 2],
+        help="TRL's torch threads, one run each (default 1 and 2: 2 uses both cores).",
+    )
     parser.add_argument("--out", type=Path, help="Also write the markdown report here.")
     parser.add_argument("--home", type=Path, help="Folder for all state (default: new temp).")
     # Child-process arguments (one side of one size), set by the parent:
@@ -638,6 +645,12 @@ def main() -> None:
     parser.add_argument("--warm-model")
     parser.add_argument("--result", type=Path)
     args = parser.parse_args()
+    if args.side is None and args.home is not None:
+        # Every run measures fresh steps: a used home would resume its finished jobs and
+        # report their old figures as new.
+        if args.home.exists() and any(args.home.iterdir()):
+            parser.error(f"--home {args.home} is not empty: give a new or empty folder")
+        args.home.mkdir(parents=True, exist_ok=True)
     home = args.home or Path(tempfile.mkdtemp(prefix="flowrl-trl-"))
     set_environment(home)
     # A busy machine can take longer than Prefect's default 20 s to start its ephemeral API.
@@ -655,6 +668,7 @@ def main() -> None:
     steps = args.steps or [SIZES[s].steps for s in args.sizes]
     if len(steps) != len(args.sizes):
         parser.error("--steps needs one value per size")
+    args.trl_threads = sorted(set(args.trl_threads))
     all_runs = {
         s: run_size(s, n, args.trl_threads, home) for s, n in zip(args.sizes, steps, strict=True)
     }
