@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import json
 import os
 import tempfile
@@ -23,8 +24,30 @@ NAMESPACE_TAG = "flowrl.namespace"
 
 def client() -> MlflowClient:
     uri = get_settings().tracking_uri
+    _create_embedded_store(uri)
     mlflow.set_tracking_uri(uri)
     return MlflowClient(tracking_uri=uri)
+
+
+_READY_STORES: set[str] = set()
+
+
+def _create_embedded_store(uri: str) -> None:
+    """Open an embedded SQLite store once per process, under an exclusive file lock: MLflow
+    creates and migrates the database when a store is first opened, and two jobs starting at
+    once on a fresh ``FLOWRL_HOME`` would otherwise run the migrations side by side (one fails
+    halfway, e.g. ``AttributeError: dimension_attributes``). Servers migrate for themselves."""
+    if uri in _READY_STORES or not uri.startswith("sqlite:///"):
+        return
+    path = uri.removeprefix("sqlite:///").split("?", 1)[0]
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(f"{path}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            MlflowClient(tracking_uri=uri).search_experiments(max_results=1)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    _READY_STORES.add(uri)
 
 
 def artifact_root() -> str | None:
