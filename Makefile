@@ -21,7 +21,7 @@ demo: setup
 	$(BIN)/flowrl train configs/arithmetic.yaml
 
 test: setup
-	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 lint: setup
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
