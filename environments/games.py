@@ -26,7 +26,7 @@ import copy
 import re
 from typing import Any
 
-from flowrl.environments.plugin import PluginTask, first_user_message, train_seed_start
+from flowrl.environments.plugin import PluginTask, play, train_seed_start
 from flowrl.environments.registry import Loaded, construct
 from flowrl.environments.types import StepResult
 
@@ -45,6 +45,13 @@ PLAY_AS = "play_as"
 """Reserved row field: the side the policy plays in a ``VersusOpponent`` episode."""
 MAX_REFERENCE_MOVES = 10_000
 """Reference moves in a row after which a game is declared stuck (its episode fails)."""
+
+
+def winner(finals: dict[str, float]) -> str | None:
+    """The agent with the single best final reward; ``None`` for a draw."""
+    best = max(finals.values(), default=0.0)
+    leaders = [a for a, r in finals.items() if r == best]
+    return leaders[0] if len(leaders) == 1 else None
 
 
 def game_agents(game: Any, name: str = "game") -> tuple[str, ...]:
@@ -104,9 +111,7 @@ class VersusOpponent:
             return StepResult(self.game.observation(self.side), reward, False, info)
         finals = self.game.final_rewards()
         outcome = float(finals.get(self.side, 0.0))
-        best = max(finals.values(), default=0.0)
-        leaders = [a for a, r in finals.items() if r == best]
-        info |= {"outcome": outcome, "win": int(leaders == [self.side])}
+        info |= {"outcome": outcome, "win": int(winner(finals) == self.side)}
         return StepResult("", reward + outcome, True, info)
 
     def _reference_moves(self) -> None:
@@ -152,20 +157,14 @@ class GameTask(PluginTask):
         return [{**row, PLAY_AS: self.sides[i % len(self.sides)]} for i, row in enumerate(rows)]
 
     def sft_example(self, row: dict[str, Any]) -> list[dict[str, Any]]:
-        """One episode of the policy's side played by the reference player (warm-up)."""
+        """One episode of the policy's side played by the reference player (warm-up): its
+        moves are asked for one at a time, after each observation (``plugin.play``)."""
         env = self.make_env()
-        user = first_user_message(env, env.reset(**row))
-        system = env.get_system_prompt()
-        messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": user})
-        for _ in range(MAX_REFERENCE_MOVES):
-            action = env.game.opponent_move(env.side)
-            messages.append({"role": "assistant", "content": action})
-            result = env.step(action)
-            if result.done:
-                return messages
-            messages.append({"role": "user", "content": result.observation})
-        raise RuntimeError(f"game {self.loaded.name!r}: the reference player never finished")
+        moves = (env.game.opponent_move(env.side) for _ in range(MAX_REFERENCE_MOVES))
+        messages = play(env, row, moves)
+        if env.game.current_agent() is not None:
+            raise RuntimeError(f"game {self.loaded.name!r}: the reference player never finished")
+        return messages
 
     # ------------------------------------------------------------------ self-play side
 
@@ -187,19 +186,9 @@ class GameTask(PluginTask):
 
     def versus(self, sides: tuple[str, ...]) -> GameTask:
         """This game's evaluation with the policy on ``sides`` only."""
-        return GameTask(
-            self.loaded,
-            self.params,
-            _Data(self.train_uri, self.eval_uri),
-            self.eval_size,
-            self.seed,
-            tuple(sides),
-        )
-
-
-class _Data:
-    def __init__(self, train: str | None, eval_: str | None) -> None:
-        self.train, self.eval = train, eval_
+        view = copy.copy(self)
+        view.sides = tuple(sides)
+        return view
 
 
 def check_game(task: GameTask) -> None:

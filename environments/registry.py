@@ -276,12 +276,10 @@ def make_games(
     """The self-play side of ``name``: a ``GameTask`` for a game given as a class, or what a
     task config's ``games()`` returns (flowrl's Gomoku). Raises ``EnvironmentLoadError`` for
     an environment that is not a game between agents."""
-    task = make_task(name, params, data=data, eval_size=eval_size, seed=seed)
-    games = getattr(task, "games", None)
-    if load(name).is_game:
-        return task
-    if callable(games):
-        return games()
+    loaded = load(name)
+    if loaded.is_game or callable(getattr(loaded.target, "games", None)):
+        task = make_task(name, params, data=data, eval_size=eval_size, seed=seed)
+        return task if loaded.is_game else task.games()
     raise EnvironmentLoadError(
         f"environment {name!r} is not a game between agents: self-play needs a class with "
         "agents, current_agent, observation, act, final_rewards and opponent_move (README: "

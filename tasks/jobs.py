@@ -422,7 +422,7 @@ class TrainingJobConfig(JobConfig):
 
     @property
     def registered_model_name(self) -> str:
-        """The name registered in MLflow: ``<FLOWRL_NAMESPACE>.<model_name>``, or
+        """The name registered in MLflow: ``<FLOWRL_NAMESPACE>_<model_name>``, or
         ``model_name`` without a namespace."""
         return scoped_model_name(self.model_name, get_settings().namespace)
 

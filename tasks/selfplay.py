@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flowrl.agent_loop.coordinator import run_multiagent_episodes
 from flowrl.backends.actors import PolicyRef
+from flowrl.environments.games import winner
 from flowrl.infra.storage import Storage
 from flowrl.tasks.common import (
     SeededSampler,
@@ -41,13 +42,13 @@ def _duel(
     ctx: JobContext,
     model_uri: str,
     policies: dict[str, PolicyRef],
+    games: Any,
     rows: list[dict[str, Any]],
     seed: int,
     greedy: bool = False,
 ):
     limits = cfg.rollout.limits(greedy=greedy)
     samplers = {a: SeededSampler(p, derived_seed(seed, a)) for a, p in policies.items()}
-    games = cfg.games()
     envs = [games.make_game() for _ in rows]
     chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format)
     return envs, run_multiagent_episodes(envs, rows, samplers, chat, limits)
@@ -68,8 +69,10 @@ def duel_rollout(
     """
     started = time.perf_counter()
     n, g = cfg.rollout.prompts_per_step, cfg.rollout.group_size
-    rows = [dict(row) for row in cfg.games().openings(step, n) for _ in range(g)]
-    _, out = _duel(cfg, ctx, model_uri, policies, rows, derived_seed(cfg.seed, "duel", step))
+    games = cfg.games()
+    rows = [dict(row) for row in games.openings(step, n) for _ in range(g)]
+    seed = derived_seed(cfg.seed, "duel", step)
+    _, out = _duel(cfg, ctx, model_uri, policies, games, rows, seed)
     metrics: dict[str, float] = {}
     for agent, trajectories in out.items():
         for t in trajectories:
@@ -91,21 +94,14 @@ def head_to_head(
 ) -> dict[str, float]:
     """Greedy games between the agents on the game's head-to-head rows (Gomoku: each side
     opens once): wins per agent (the one best final reward), draws, and failed games."""
-    rows = cfg.games().head_to_head_rows()
-    envs, out = _duel(cfg, ctx, model_uri, policies, rows, seed=0, greedy=True)
+    games = cfg.games()
+    rows = games.head_to_head_rows()
+    envs, out = _duel(cfg, ctx, model_uri, policies, games, rows, seed=0, greedy=True)
     failed = {t.group_id for ts in out.values() for t in ts if t.failed}
-    winners = [None if i in failed else game_winner(env) for i, env in enumerate(envs)]
+    winners = [None if i in failed else winner(env.final_rewards()) for i, env in enumerate(envs)]
     metrics = {f"h2h/{a.lower()}_wins": float(winners.count(a)) for a in cfg.agents}
     draws = winners.count(None) - len(failed)
     return metrics | {"h2h/draws": float(draws), "h2h/failed": float(len(failed))}
-
-
-def game_winner(game: Any) -> str | None:
-    """The agent with the single best final reward; None for a draw."""
-    finals = game.final_rewards()
-    best = max(finals.values(), default=0.0)
-    leaders = [a for a, r in finals.items() if r == best]
-    return leaders[0] if len(leaders) == 1 else None
 
 
 @task(name="versus-opponent", cache_policy=NO_CACHE)
