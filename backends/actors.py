@@ -7,17 +7,14 @@ when a ``PolicyRef`` is started with ``local=True`` (benchmarks, notebooks witho
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 
-from flowrl.backends.deepspeed_trainer import DeepSpeedTrainer, DeepSpeedZero3Trainer
-from flowrl.backends.hf_workers import HFSampler, TorchTrainer
-from flowrl.backends.precision import Precision
-from flowrl.backends.types import WorkerSpec
-from flowrl.backends.vllm_sampler import VLLMSampler
+from flowrl.backends.types import Precision, WorkerSpec
 from flowrl.infra.settings import worker_environment
 
 NAMESPACE = "flowrl"
@@ -28,14 +25,44 @@ _LOCAL_WORKERS: dict[str, Any] = {}
 # not: the creating process keeps one here until stop_policy.
 _OWNED_ACTORS: dict[str, Any] = {}
 
-SAMPLER_BACKENDS: dict[str, type] = {"hf": HFSampler, "vllm": VLLMSampler}
-TRAINER_BACKENDS: dict[str, type] = {
-    "torch": TorchTrainer,
-    "deepspeed": DeepSpeedTrainer,  # ZeRO-2
-    "deepspeed_zero3": DeepSpeedZero3Trainer,
+SAMPLER_BACKENDS: dict[str, str] = {
+    "hf": "flowrl.backends.hf_workers:HFSampler",
+    "vllm": "flowrl.backends.vllm_sampler:VLLMSampler",
 }
-"""Backends by the name ``resources.*_backend`` selects. DeepSpeed and vLLM are imported when
-a worker starts, so only the machines that run them need the packages."""
+TRAINER_BACKENDS: dict[str, str] = {
+    "torch": "flowrl.backends.hf_workers:TorchTrainer",
+    "deepspeed": "flowrl.backends.deepspeed_trainer:DeepSpeedTrainer",  # ZeRO-2
+    "deepspeed_zero3": "flowrl.backends.deepspeed_trainer:DeepSpeedZero3Trainer",
+}
+"""Backends by the name ``resources.*_backend`` selects, as ``module:Class``. A backend is
+imported by the worker that runs it, never by the process that starts it: the flow's driver
+holds no torch models, PEFT or DeepSpeed, and only the machines that run vLLM or DeepSpeed need
+the packages."""
+
+
+def backend_class(path: str) -> type:
+    """The worker class a ``module:Class`` path names (imported now)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+class _Worker:
+    """A Ray actor holding one backend worker, built in the actor's own process; its verbs are
+    called through ``call`` (``_Proxy`` hides that)."""
+
+    def __init__(self, backend: str, spec: WorkerSpec):
+        self._impl = backend_class(backend)(spec)
+
+    def call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self._impl, verb)(*args, **kwargs)
+
+
+class SamplerWorker(_Worker):
+    """A policy's sampler actor (``SAMPLER_BACKENDS``)."""
+
+
+class TrainerWorker(_Worker):
+    """A policy's trainer actor (``TRAINER_BACKENDS``)."""
 
 
 @dataclass(frozen=True)
@@ -81,10 +108,10 @@ class _Proxy:
         self._remote = remote
 
     def __getattr__(self, verb: str) -> Callable[..., Any]:
-        method = getattr(self._target, verb)
         if not self._remote:
-            return method
-        return lambda *args, **kwargs: ray.get(method.remote(*args, **kwargs))
+            return getattr(self._target, verb)
+        call = self._target.call
+        return lambda *args, **kwargs: ray.get(call.remote(verb, *args, **kwargs))
 
 
 def _worker(name: str, local: bool) -> _Proxy:
@@ -110,12 +137,12 @@ def start_policy(
     local: bool = False,
 ) -> PolicyRef:
     """Start a sampler and a trainer for one policy and wait until both hold their weights."""
-    sampler_cls = _pick(SAMPLER_BACKENDS, sampler_backend, "sampler")
-    trainer_cls = _pick(TRAINER_BACKENDS, trainer_backend, "trainer")
+    sampler_path = _pick(SAMPLER_BACKENDS, sampler_backend, "sampler")
+    trainer_path = _pick(TRAINER_BACKENDS, trainer_backend, "trainer")
     ref = PolicyRef(sampler=f"{name}-sampler", trainer=f"{name}-trainer", local=local)
     if local:
-        _LOCAL_WORKERS[ref.sampler] = sampler_cls(spec)
-        _LOCAL_WORKERS[ref.trainer] = trainer_cls(spec)
+        _LOCAL_WORKERS[ref.sampler] = backend_class(sampler_path)(spec)
+        _LOCAL_WORKERS[ref.trainer] = backend_class(trainer_path)(spec)
         return ref
     env = {"env_vars": worker_environment() | {"OMP_NUM_THREADS": str(spec.torch_threads)}}
     handles = [
@@ -128,8 +155,11 @@ def start_policy(
             runtime_env=env,
             max_concurrency=1,
         )
-        .remote(spec)
-        for cls, actor_name in ((sampler_cls, ref.sampler), (trainer_cls, ref.trainer))
+        .remote(path, spec)
+        for cls, path, actor_name in (
+            (SamplerWorker, sampler_path, ref.sampler),
+            (TrainerWorker, trainer_path, ref.trainer),
+        )
     ]
     ray.get([h.__ray_ready__.remote() for h in handles])
     _OWNED_ACTORS.update({ref.sampler: handles[0], ref.trainer: handles[1]})
@@ -156,10 +186,21 @@ def sync_weights(ref: PolicyRef) -> int:
     trainer_handle = ray.get_actor(ref.trainer, namespace=NAMESPACE)
     sampler_handle = ray.get_actor(ref.sampler, namespace=NAMESPACE)
     # The weights travel trainer -> object store -> sampler, never through this process.
-    return ray.get(sampler_handle.set_weights.remote(trainer_handle.get_weights.remote()))
+    weights = trainer_handle.call.remote("get_weights")
+    return ray.get(sampler_handle.call.remote("set_weights", weights))
 
 
-def _pick(registry: dict[str, type], name: str, what: str) -> type:
+def run_on_ray(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` as a one-off Ray task with the job's environment, in a worker that exits
+    after it (its imports, torch's included, leave with it); in-process when this process has
+    not initialised Ray (notebooks, local workers)."""
+    if not ray.is_initialized():
+        return fn(*args)
+    options = {"num_cpus": 1, "max_calls": 1, "runtime_env": {"env_vars": worker_environment()}}
+    return ray.get(ray.remote(**options)(fn).remote(*args))
+
+
+def _pick(registry: dict[str, str], name: str, what: str) -> str:
     if name not in registry:
         raise ValueError(f"unknown {what} backend {name!r}; known: {sorted(registry)}")
     return registry[name]

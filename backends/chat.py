@@ -35,7 +35,12 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerFast
 
-from flowrl.backends.models import IMAGE_TOKEN, load_tokenizer, resolve_model_uri
+from flowrl.backends.models import (
+    IMAGE_TOKEN,
+    is_vision_language,
+    load_tokenizer,
+    resolve_model_uri,
+)
 
 
 class ChatTemplateError(ValueError):
@@ -176,12 +181,15 @@ class HFChatFormat:
         cls, path: str, chat_format: str = "auto", sanitize_control_tokens: bool = True
     ) -> HFChatFormat:
         """The format of a local model folder: its tokenizer, template and generation config."""
-        from flowrl.backends.vlm import image_seq_length  # vlm builds on backends.models
+        images = 0
+        if is_vision_language(path):  # vlm builds on backends.models, and imports torch
+            from flowrl.backends.vlm import image_seq_length
 
+            images = image_seq_length(path)
         return cls(
             load_tokenizer(path),
             sanitize_control_tokens=sanitize_control_tokens,
-            image_seq_length=image_seq_length(path),
+            image_seq_length=images,
             chat_format=chat_format,
             eos_token_ids=generation_eos_ids(path),
             name=f"model folder {path}",

@@ -22,7 +22,9 @@ from flowrl.agent_loop.types import SampleResult
 from flowrl.backends.algorithms import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
+    get_advantage_estimator,
     get_policy_loss,
+    kl_penalized_rewards,
     mismatch_kl,
     token_logprobs,
 )
@@ -330,6 +332,46 @@ class TorchTrainer:
         b = self._batch(data)
         ref_B_T = self._reference_logprobs(b, temperature)
         return [[0.0] + ref_B_T[i, : len(d.tokens) - 1].tolist() for i, d in enumerate(data)]
+
+    def advantages(self, rewards: list[float], group_ids: list[int], estimator: str) -> list[float]:
+        """Each episode's advantage from the returns of its group (``estimator``: an
+        ``algorithms.ADVANTAGE_ESTIMATORS`` name). The reward stage asks the trainer, which
+        holds the algorithms, so the flow's process never imports torch."""
+        rewards_N = torch.tensor(rewards, dtype=torch.float32)
+        groups_N = torch.tensor(group_ids)
+        return get_advantage_estimator(estimator)(rewards_N, groups_N).tolist()
+
+    @torch.no_grad()
+    def kl_penalised_advantages(
+        self,
+        data: list[Datum],
+        rewards: list[float],
+        group_ids: list[int],
+        temperature: float,
+        kl_coef: float,
+        kl_estimator: str,
+        estimator: str,
+    ) -> tuple[list[float], dict[str, float]]:
+        """KL in the reward: ``r - kl_coef * sum_t kl(sampler logp, reference logp)`` over each
+        datum's sampled tokens, then the advantages of the penalised returns; with the mean KL
+        and penalised return as metrics."""
+        ref = self.compute_ref_logprobs(data, temperature)
+        width = max(len(d.tokens) for d in data)
+
+        def padded(rows: list[list[float]]) -> torch.Tensor:
+            return torch.tensor([r + [0.0] * (width - len(r)) for r in rows], dtype=torch.float32)
+
+        penalised_N, kl_N = kl_penalized_rewards(
+            torch.tensor(rewards, dtype=torch.float32),
+            padded([d.old_logprobs for d in data]),
+            padded(ref),
+            padded([[float(m) for m in d.loss_mask] for d in data]),
+            kl_coef,
+            kl_estimator,
+        )
+        advantages_N = get_advantage_estimator(estimator)(penalised_N, torch.tensor(group_ids))
+        metrics = {"kl_ref": float(kl_N.mean()), "reward_penalised": float(penalised_N.mean())}
+        return advantages_N.tolist(), metrics
 
     def optim_step(self) -> dict[str, float]:
         """Clip gradients, take one AdamW step, bump the weights version."""

@@ -15,12 +15,15 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # torch and the model classes load where weights do, not in the flow process
+    import torch
+    from transformers import LlamaConfig, PreTrainedModel
 
 PAD_TOKEN = "<pad>"
 UNK_TOKEN = "<unk>"
@@ -176,6 +179,9 @@ def build_tiny_model(spec: TinyModelSpec, out_dir: str) -> str:
         from flowrl.backends.vlm import build_tiny_vlm  # backends.vlm builds on this module
 
         return build_tiny_vlm(spec, out_dir)
+    import torch
+    from transformers import LlamaForCausalLM
+
     tokenizer = build_tokenizer()
     tokenizer.model_max_length = spec.max_position_embeddings
     config = llama_config(spec, tokenizer)
@@ -189,6 +195,8 @@ def build_tiny_model(spec: TinyModelSpec, out_dir: str) -> str:
 
 def llama_config(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast) -> LlamaConfig:
     """The Llama config of ``spec`` over ``tokenizer``'s vocabulary."""
+    from transformers import LlamaConfig
+
     return LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=spec.hidden_size,
@@ -260,13 +268,22 @@ def model_positions(path: str) -> int | None:
     return int(positions) if positions is not None else None
 
 
-def load_causal_lm(path: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    """Load a causal LM from a local HF folder, in eval mode; a vision-language folder (its
-    config has a ``vision_config``, e.g. LLaVA) loads as ``AutoModelForImageTextToText``."""
+def is_vision_language(path: str) -> bool:
+    """Whether the local HF folder ``path`` holds a vision-language model (its config has a
+    ``vision_config``, e.g. LLaVA)."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    return "vision_config" in config
+
+
+def load_causal_lm(path: str, dtype: torch.dtype | None = None) -> PreTrainedModel:
+    """Load a causal LM from a local HF folder, in eval mode (``dtype`` default float32); a
+    vision-language folder (its config has a ``vision_config``, e.g. LLaVA) loads as
+    ``AutoModelForImageTextToText``."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config = json.loads((Path(path) / "config.json").read_text())
-    auto = AutoModelForImageTextToText if "vision_config" in config else AutoModelForCausalLM
+    dtype = torch.float32 if dtype is None else dtype
+    auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
     return auto.from_pretrained(path, dtype=dtype).eval()
 
 

@@ -17,12 +17,10 @@ trainer's stays float32): ``train/mismatch_kl`` (``algorithms.mismatch_kl``) sho
 from __future__ import annotations
 
 import contextlib
-from typing import Literal
 
 import torch
 
-Precision = Literal["auto", "float32", "bfloat16"]
-"""``resources.dtype`` / ``WorkerSpec.dtype``; auto = bfloat16 on CUDA, float32 elsewhere."""
+from flowrl.backends.types import Precision
 
 
 def compute_dtype(precision: Precision, device: torch.device) -> torch.dtype:

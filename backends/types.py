@@ -7,7 +7,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from flowrl.backends.precision import Precision
+Precision = Literal["auto", "float32", "bfloat16"]
+"""``resources.dtype`` / ``WorkerSpec.dtype``; auto = bfloat16 on CUDA, float32 elsewhere
+(``backends.precision``)."""
+
+# The names ``backends.algorithms`` registers, for validating configs where torch is not imported
+# (the flow's process); tests/test_algorithms.py checks they equal the registries' keys.
+ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
+POLICY_LOSS_NAMES = ("ppo_clip", "cispo", "gspo")
+LOSS_AGGREGATION_NAMES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+KL_ESTIMATOR_NAMES = ("k1", "k2", "k3")
 
 
 @dataclass

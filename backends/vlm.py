@@ -15,8 +15,6 @@ The folder is a standard HF folder (``config.json`` with a ``vision_config``,
 from __future__ import annotations
 
 import io
-import json
-from pathlib import Path
 
 import torch
 from PIL import Image
@@ -34,6 +32,7 @@ from flowrl.backends.models import (
     IMAGE_TOKEN,
     TinyModelSpec,
     build_tokenizer,
+    is_vision_language,
     llama_config,
     save_tokenizer,
 )
@@ -104,12 +103,6 @@ def build_tiny_vlm(spec: TinyModelSpec, out_dir: str) -> str:
     processor.save_pretrained(out_dir)
     save_tokenizer(tokenizer, out_dir)  # the tokenizer's own files, as load_tokenizer reads them
     return out_dir
-
-
-def is_vision_language(path: str) -> bool:
-    """Whether the local HF folder ``path`` holds a vision-language model."""
-    config = json.loads((Path(path) / "config.json").read_text())
-    return "vision_config" in config
 
 
 def image_seq_length(path: str) -> int:

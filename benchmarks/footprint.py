@@ -38,8 +38,8 @@ def kind(proc: psutil.Process) -> str:
         name, cmd = proc.name(), " ".join(proc.cmdline())
     except psutil.Error:
         return "gone"
-    if name.startswith("ray::"):
-        return name  # ray::IDLE, ray::HFSampler, ray::TorchTrainer, ray::DashboardAgent, ...
+    if name.startswith("ray::"):  # ray::SamplerWorker, ray::TrainerWorker, ray::IDLE, ...
+        return name.split(".")[0]  # a busy actor is named after its method: ray::Actor.call
     for pattern, label in (
         (r"flowrl train", "flowrl train (driver: flow, Prefect client)"),
         (r"uvicorn .*prefect", "Prefect API (ephemeral)"),

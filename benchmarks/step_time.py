@@ -161,7 +161,7 @@ def run_plain(config: Any) -> tuple[Series, dict[str, float]]:
     for step in range(c.schedule.steps):
         start = time.perf_counter()
         batch, rollout_s = timed(rollout.fn, c, ctx, uri, policy, step, cursor)
-        scored, reward_s = timed(score.fn, c, ctx, batch)
+        scored, reward_s = timed(score.fn, c, ctx, policy, batch)
         _, update_s = timed(update.fn, c, ctx, policy, scored)
         cursor = batch.cursor
         steps["rollout"].append(rollout_s)

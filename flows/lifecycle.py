@@ -1,5 +1,5 @@
 """The run lifecycle every flow uses: admission and GPU slots, the job's storage context, its
-MLflow run, its policy workers, progress, finish and fail. And the Ray task runner."""
+MLflow run, its policy workers, progress, finish and fail. And the stage runner."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import ray
 from prefect.artifacts import (
     create_link_artifact,
     create_markdown_artifact,
@@ -17,8 +18,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 from prefect.runtime import flow_run
-from prefect_ray import RayTaskRunner
-from prefect_ray.context import remote_options
+from prefect.task_runners import ThreadPoolTaskRunner
 from tqdm import tqdm
 
 from flowrl.backends.actors import PolicyRef, stop_policy
@@ -27,23 +27,62 @@ from flowrl.environments.remote import stop_env_pool
 from flowrl.infra import tracking
 from flowrl.infra.redact import redact
 from flowrl.infra.scheduler import gpu_slots
-from flowrl.infra.settings import get_settings, worker_environment
+from flowrl.infra.settings import get_settings
 from flowrl.infra.storage import Storage
 from flowrl.tasks.jobs import JobConfig
 from flowrl.tasks.types import JobContext
 
 
-def task_runner() -> RayTaskRunner:
-    """prefect-ray's runner: a local Ray by default, or the cluster at ``FLOWRL_RAY_ADDRESS``."""
+class RayStageRunner(ThreadPoolTaskRunner):
+    """Prefect's thread-pool runner on a Ray driver: each stage is a Prefect task run in the
+    flow process, and its work runs on Ray, as calls to the job's long-lived actors (the
+    sampler and trainer, the environment actors). No stage pays a Ray task's start-up and a
+    Prefect client of its own per run (~150 ms each), and no idle Ray task workers are kept.
+
+    Entering it connects this process to Ray: the one already initialised (a notebook's, a
+    test session's), else the cluster at ``FLOWRL_RAY_ADDRESS``, else a local Ray started with
+    only what a job needs (no dashboard, no prestarted workers); it stops only a Ray it
+    started."""
+
+    def __init__(self, max_workers: int = 4):
+        super().__init__(max_workers=max_workers)
+        self._owns_ray = False
+
+    def __enter__(self) -> RayStageRunner:
+        super().__enter__()
+        self._owns_ray = connect_ray()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        try:
+            if self._owns_ray and ray.is_initialized():
+                ray.shutdown()
+        finally:
+            super().__exit__(*exc_info)
+
+
+def connect_ray() -> bool:
+    """Connect this process to Ray (see ``RayStageRunner``); True if it started one."""
+    if ray.is_initialized():
+        return False
     s = get_settings()
-    init: dict[str, Any] = {"namespace": "flowrl", "log_to_driver": False}
-    if s.ray_address is None:
-        init |= {"num_cpus": s.ray_num_cpus, "include_dashboard": False}
-        if s.ray_num_gpus is not None:
-            init["num_gpus"] = s.ray_num_gpus
-    # The job's own settings reach its tasks per job (JobRun), not when the flow is defined.
-    init["runtime_env"] = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
-    return RayTaskRunner(address=s.ray_address, init_kwargs=init)
+    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+    init: dict[str, Any] = {"namespace": "flowrl", "log_to_driver": False, "runtime_env": env}
+    if s.ray_address is not None:
+        ray.init(address=s.ray_address, **init)
+        return True
+    init |= {"num_cpus": s.ray_num_cpus, "include_dashboard": False}
+    if s.ray_num_gpus is not None:
+        init["num_gpus"] = s.ray_num_gpus
+    # Workers start when an actor asks for one: none sit idle beside the job.
+    init["_system_config"] = {"prestart_worker_first_driver": False}
+    ray.init(address="local", **init)
+    return True
+
+
+def task_runner() -> RayStageRunner:
+    """The stage runner every flow uses (``RayStageRunner``)."""
+    return RayStageRunner()
 
 
 class JobRun:
@@ -80,8 +119,6 @@ class JobRun:
     def __enter__(self) -> JobRun:
         get_settings().apply_to_environment()
         with contextlib.ExitStack() as entering:
-            # Every stage's Ray task sees the job's settings, whichever Ray runs it.
-            entering.enter_context(remote_options(runtime_env={"env_vars": worker_environment()}))
             entering.enter_context(gpu_slots(self.config.resources.gpus))
             entering.callback(self._stop_workers)  # runs first on exit: workers, then slots
             self.run_id = self._start_tracking()

@@ -66,7 +66,7 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
         clock = StepClock()
         for step in job.steps(start, config.schedule.steps):
             batch = rollouts.take(step)  # off_policy_steps 1: starts step + 1's rollout too
-            scored = score.submit(config, job.ctx, batch).result()
+            scored = score.submit(config, job.ctx, policy, batch).result()
             updated = update.submit(config, job.ctx, policy, scored).result()
             settled = rollouts.settle(policy)  # then eval and checkpoints see no rollout running
             times = step_times(clock.lap(), scored, updated, settled)

@@ -51,7 +51,7 @@ def self_play(config: SelfPlayJobConfig = SelfPlayJobConfig()) -> SelfPlayResult
         for step in job.steps(0, config.schedule.steps):
             # Barrier 1: the rollout phase (every game of every agent) ends before any update.
             duel = duel_rollout.submit(config, job.ctx, model_uri, by_agent, step).result()
-            scored = {o: score.submit(config, ctxs[o], duel.batches[o]) for o in owners}
+            scored = {o: score.submit(config, ctxs[o], refs[o], duel.batches[o]) for o in owners}
             updates = {o: update.submit(config, ctxs[o], refs[o], scored[o]) for o in owners}
             # Barrier 2: every update and weight sync ends before the next rollout.
             updated = {o: updates[o].result() for o in owners}

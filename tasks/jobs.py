@@ -25,15 +25,15 @@ from pydantic import (
 
 from flowrl.agent_loop.loop import LoopLimits
 from flowrl.backends.actors import ActorResources, WorkerPlan
-from flowrl.backends.algorithms import (
-    ADVANTAGE_ESTIMATORS,
-    KL_ESTIMATORS,
-    LOSS_AGGREGATIONS,
-    POLICY_LOSSES,
-)
 from flowrl.backends.models import TinyModelSpec
-from flowrl.backends.precision import Precision
-from flowrl.backends.types import LoraSettings
+from flowrl.backends.types import (
+    ADVANTAGE_NAMES,
+    KL_ESTIMATOR_NAMES,
+    LOSS_AGGREGATION_NAMES,
+    POLICY_LOSS_NAMES,
+    LoraSettings,
+    Precision,
+)
 from flowrl.environments.data import ROW_FORMATS
 from flowrl.environments.plugin import check_environment
 from flowrl.environments.registry import EnvironmentLoadError, load, make_games, make_task
@@ -229,22 +229,22 @@ class AlgorithmSection(_Section):
     @field_validator("advantage")
     @classmethod
     def _known_advantage(cls, v: str) -> str:
-        return _known(v, ADVANTAGE_ESTIMATORS, "advantage estimator")
+        return _known(v, ADVANTAGE_NAMES, "advantage estimator")
 
     @field_validator("loss")
     @classmethod
     def _known_loss(cls, v: str) -> str:
-        return _known(v, POLICY_LOSSES, "policy loss")
+        return _known(v, POLICY_LOSS_NAMES, "policy loss")
 
     @field_validator("loss_agg")
     @classmethod
     def _known_agg(cls, v: str) -> str:
-        return _known(v, LOSS_AGGREGATIONS, "loss aggregation")
+        return _known(v, LOSS_AGGREGATION_NAMES, "loss aggregation")
 
     @field_validator("kl_estimator")
     @classmethod
     def _known_kl(cls, v: str) -> str:
-        return _known(v, KL_ESTIMATORS, "KL estimator")
+        return _known(v, KL_ESTIMATOR_NAMES, "KL estimator")
 
     def loss_config(self) -> dict[str, Any]:
         """The options ``TorchTrainer.forward_backward`` passes to the loss (KL in the loss
@@ -259,7 +259,7 @@ class AlgorithmSection(_Section):
         }
 
 
-def _known(name: str, registry: dict[str, Any], kind: str) -> str:
+def _known(name: str, registry: tuple[str, ...], kind: str) -> str:
     if name not in registry:
         raise ValueError(f"unknown {kind} {name!r}; known: {sorted(registry)}")
     return name

@@ -12,9 +12,10 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flowrl.backends.actors import PolicyRef, start_policy, stop_policy, trainer
+from flowrl.backends.actors import PolicyRef, run_on_ray, start_policy, stop_policy, trainer
 from flowrl.backends.mlflow_model import save_chat_model
 from flowrl.backends.models import (
+    TinyModelSpec,
     build_tiny_model,
     model_positions,
     pin_model_uri,
@@ -52,11 +53,15 @@ def prepare_model(cfg: JobConfig, ctx: JobContext) -> str:
     shape = spec.model_dump(exclude=None if spec.vision.enabled else {"vision"})
     rel = f"models/tiny-{stable_hash(shape)}"
     if not storage.exists(f"{rel}/{DONE_MARKER}"):
-        with tempfile.TemporaryDirectory() as tmp:
-            build_tiny_model(spec, tmp)
-            storage.put_dir(tmp, rel)
+        run_on_ray(_build_into_storage, spec, ctx.storage_url, rel)
         storage.write_json(f"{rel}/{DONE_MARKER}", shape)
     return storage.uri(rel)
+
+
+def _build_into_storage(spec: TinyModelSpec, storage_url: str, rel: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        build_tiny_model(spec, tmp)
+        Storage(storage_url).put_dir(tmp, rel)
 
 
 def _check_context(cfg: JobConfig, positions: int | None) -> None:

@@ -9,12 +9,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flowrl.backends.actors import PolicyRef, sampler, sync_weights, trainer
-from flowrl.backends.algorithms import get_advantage_estimator, kl_penalized_rewards
 from flowrl.backends.types import Datum
 from flowrl.environments.remote import env_factory_for
 from flowrl.infra.storage import Storage, prune_checkpoints
@@ -71,8 +69,9 @@ def rollout(
 
 
 @task(name="reward", cache_policy=NO_CACHE)
-def score(cfg: RLJobConfig, ctx: JobContext, batch: RolloutBatch) -> ScoredBatch:
-    """Episode returns → advantages → training data (failed episodes are left out)."""
+def score(cfg: RLJobConfig, ctx: JobContext, policy: PolicyRef, batch: RolloutBatch) -> ScoredBatch:
+    """Episode returns → advantages (computed by the policy's trainer) → training data (failed
+    episodes are left out)."""
     start = time.perf_counter()
     storage = Storage(ctx.storage_url)
     trajectories = load_trajectories(storage, batch.trajectories)
@@ -92,24 +91,24 @@ def score(cfg: RLJobConfig, ctx: JobContext, batch: RolloutBatch) -> ScoredBatch
             rollout_seconds=batch.seconds,
             seconds=time.perf_counter() - start,
         )
-    rewards_N = torch.tensor([t.reward for t in ok], dtype=torch.float32)
-    groups_N = torch.tensor([t.group_id for t in ok])
-    advantages_N = get_advantage_estimator(cfg.algorithm.advantage)(rewards_N, groups_N)
+    rewards = [float(t.reward) for t in ok]
+    group_ids = [t.group_id for t in ok]
+    advantages = trainer(policy).advantages(rewards, group_ids, cfg.algorithm.advantage)
     data = [
         Datum(t.tokens, t.loss_mask, float(a), t.logprobs, t.images)
-        for t, a in zip(ok, advantages_N.tolist(), strict=True)
+        for t, a in zip(ok, advantages, strict=True)
     ]
     correct = [episode_succeeded(cfg.env.success, t.reward, t.info) for t in ok]
     metrics |= episode_metrics(trajectories, "env") | {
-        "reward/mean": float(rewards_N.mean()),
+        "reward/mean": sum(rewards) / len(rewards),
         "reward/accuracy": sum(correct) / len(correct),
-        "reward/nonzero_advantage_frac": float((advantages_N.abs() > 1e-8).float().mean()),
+        "reward/nonzero_advantage_frac": sum(abs(a) > 1e-8 for a in advantages) / len(advantages),
     }
     samples = [{"reward": t.reward, "messages": t.messages} for t in ok[:: cfg.rollout.group_size]]
     rel = f"{ctx.step_dir(batch.step)}/data.json"
     save_data(storage, rel, data)
     if _kl_in_reward(cfg):  # the update stage re-scores with the reference model's KL
-        groups = {"rewards": rewards_N.tolist(), "group_ids": groups_N.tolist()}
+        groups = {"rewards": rewards, "group_ids": group_ids}
         storage.write_json(f"{ctx.step_dir(batch.step)}/rewards.json", groups)
     return ScoredBatch(
         batch.step,
@@ -124,35 +123,6 @@ def score(cfg: RLJobConfig, ctx: JobContext, batch: RolloutBatch) -> ScoredBatch
 
 def _kl_in_reward(cfg: RLJobConfig) -> bool:
     return cfg.algorithm.kl_coef > 0 and cfg.algorithm.kl_in == "reward"
-
-
-def _penalise_with_kl(
-    cfg: RLJobConfig, worker: Any, data: list[Datum], rewards: dict[str, list]
-) -> tuple[list[Datum], dict[str, float]]:
-    """KL in the reward: ``r - kl_coef * sum_t kl(sampler logp, reference logp)``, then the
-    advantages again from the penalised rewards."""
-    alg = cfg.algorithm
-    ref = worker.compute_ref_logprobs(data, cfg.rollout.temperature)
-    width = max(len(d.tokens) for d in data)
-
-    def padded(rows: list[list[float]]) -> torch.Tensor:
-        return torch.tensor([r + [0.0] * (width - len(r)) for r in rows], dtype=torch.float32)
-
-    penalised_N, kl_N = kl_penalized_rewards(
-        torch.tensor(rewards["rewards"], dtype=torch.float32),
-        padded([d.old_logprobs for d in data]),
-        padded(ref),
-        padded([[float(m) for m in d.loss_mask] for d in data]),
-        alg.kl_coef,
-        alg.kl_estimator,
-    )
-    groups_N = torch.tensor(rewards["group_ids"])
-    advantages_N = get_advantage_estimator(alg.advantage)(penalised_N, groups_N)
-    data = [
-        Datum(d.tokens, d.loss_mask, float(a), d.old_logprobs, d.images)
-        for d, a in zip(data, advantages_N.tolist(), strict=True)
-    ]
-    return data, {"kl_ref": float(kl_N.mean()), "reward_penalised": float(penalised_N.mean())}
 
 
 @task(name="update", cache_policy=NO_CACHE)
@@ -174,7 +144,20 @@ def update(
     kl_metrics: dict[str, float] = {}
     if _kl_in_reward(cfg):
         rewards = storage.read_json(f"{ctx.step_dir(scored.step)}/rewards.json")
-        data, kl_metrics = _penalise_with_kl(cfg, worker, data, rewards)
+        alg = cfg.algorithm
+        advantages, kl_metrics = worker.kl_penalised_advantages(
+            data,
+            rewards["rewards"],
+            rewards["group_ids"],
+            cfg.rollout.temperature,
+            alg.kl_coef,
+            alg.kl_estimator,
+            alg.advantage,
+        )
+        data = [
+            Datum(d.tokens, d.loss_mask, a, d.old_logprobs, d.images)
+            for d, a in zip(data, advantages, strict=True)
+        ]
     loss_config = cfg.algorithm.loss_config()
     computed = time.perf_counter()
     metrics = worker.forward_backward(

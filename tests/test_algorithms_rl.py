@@ -105,7 +105,7 @@ def test_each_algorithm_trains_by_config_change(overrides, warm_model, ctx):
         cursor, rises = None, []
         for step in range(2):
             batch = rollout.fn(cfg, job, warm_model, policy, step, cursor)
-            scored = score.fn(cfg, job, batch)
+            scored = score.fn(cfg, job, policy, batch)
             cursor = batch.cursor
             assert scored.data is not None
             data = load_data(Storage(job.storage_url), scored.data)
@@ -137,7 +137,7 @@ def test_reference_is_the_starting_policy(warm_model, ctx):
         try:
             worker = trainer(policy)
             job = JobContext(cfg.name, ctx.storage_url, ctx.cache_dir, cfg.name)
-            scored = score.fn(cfg, job, rollout.fn(cfg, job, warm_model, policy, 0, None))
+            scored = score.fn(cfg, job, policy, rollout.fn(cfg, job, warm_model, policy, 0, None))
             data = load_data(Storage(ctx.storage_url), scored.data)
             ref, current = worker.compute_ref_logprobs(data), worker.compute_logprobs(data)
             assert torch.allclose(
