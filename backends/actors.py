@@ -56,6 +56,10 @@ class _Worker:
     def call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._impl, verb)(*args, **kwargs)
 
+    def node_id(self) -> str:
+        """The Ray node this worker runs on."""
+        return ray.get_runtime_context().get_node_id()
+
 
 class SamplerWorker(_Worker):
     """A policy's sampler actor (``SAMPLER_BACKENDS``)."""
@@ -67,11 +71,17 @@ class TrainerWorker(_Worker):
 
 @dataclass(frozen=True)
 class PolicyRef:
-    """Names of one policy's sampler and trainer workers (picklable, passed to tasks)."""
+    """Names of one policy's sampler workers and trainer worker (picklable, passed to tasks).
+    Every sampler holds the same weights: a weight sync reaches them all."""
 
-    sampler: str
+    samplers: tuple[str, ...]
     trainer: str
     local: bool = False
+
+    @property
+    def sampler(self) -> str:
+        """The first sampler (the only one unless ``resources.samplers`` > 1)."""
+        return self.samplers[0]
 
 
 @dataclass(frozen=True)
@@ -92,12 +102,20 @@ class WorkerPlan:
     trainer_backend: str = "torch"
     torch_threads: int = 1
     dtype: Precision = "auto"
+    samplers: int = 1
 
     def start(self, name: str, spec: WorkerSpec) -> PolicyRef:
-        """Start a policy's sampler and trainer as planned (``spec.torch_threads`` and
+        """Start a policy's samplers and trainer as planned (``spec.torch_threads`` and
         ``spec.dtype`` overridden)."""
         spec = spec.model_copy(update={"torch_threads": self.torch_threads, "dtype": self.dtype})
-        return start_policy(name, spec, self.resources, self.sampler_backend, self.trainer_backend)
+        return start_policy(
+            name,
+            spec,
+            self.resources,
+            self.sampler_backend,
+            self.trainer_backend,
+            samplers=self.samplers,
+        )
 
 
 class _Proxy:
@@ -120,8 +138,27 @@ def _worker(name: str, local: bool) -> _Proxy:
     return _Proxy(ray.get_actor(name, namespace=NAMESPACE), remote=True)
 
 
-def sampler(ref: PolicyRef) -> _Proxy:
-    return _worker(ref.sampler, ref.local)
+def sampler(ref: PolicyRef, index: int = 0) -> _Proxy:
+    """Sampler ``index`` of the policy (``len(ref.samplers)`` of them)."""
+    return _worker(ref.samplers[index], ref.local)
+
+
+def sampler_weights_version(ref: PolicyRef) -> int:
+    """The weights version every sampler of the policy holds (they are synced together; a
+    disagreement is a bug in the pipeline and raises)."""
+    versions = {name: _worker(name, ref.local).get_weights_version() for name in ref.samplers}
+    if len(set(versions.values())) > 1:
+        raise RuntimeError(f"the policy's samplers hold different weights: {versions}")
+    return next(iter(versions.values()))
+
+
+def worker_nodes(ref: PolicyRef) -> dict[str, str]:
+    """The Ray node each of the policy's workers runs on, by actor name."""
+    names = [*ref.samplers, ref.trainer]
+    if ref.local:
+        return dict.fromkeys(names, "local")
+    handles = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
+    return dict(zip(names, ray.get([h.node_id.remote() for h in handles]), strict=True))
 
 
 def trainer(ref: PolicyRef) -> _Proxy:
@@ -135,40 +172,45 @@ def start_policy(
     sampler_backend: str = "hf",
     trainer_backend: str = "torch",
     local: bool = False,
+    samplers: int = 1,
 ) -> PolicyRef:
-    """Start a sampler and a trainer for one policy and wait until both hold their weights."""
+    """Start ``samplers`` samplers and a trainer for one policy and wait until all hold their
+    weights. Several samplers are spread over the cluster's nodes (Ray's ``SPREAD``)."""
     sampler_path = _pick(SAMPLER_BACKENDS, sampler_backend, "sampler")
     trainer_path = _pick(TRAINER_BACKENDS, trainer_backend, "trainer")
-    ref = PolicyRef(sampler=f"{name}-sampler", trainer=f"{name}-trainer", local=local)
+    names = tuple(f"{name}-sampler" + (f"-{i}" if i else "") for i in range(samplers))
+    ref = PolicyRef(samplers=names, trainer=f"{name}-trainer", local=local)
+    workers = [*((SamplerWorker, sampler_path, n) for n in names)]
+    workers.append((TrainerWorker, trainer_path, ref.trainer))
     if local:
-        _LOCAL_WORKERS[ref.sampler] = backend_class(sampler_path)(spec)
-        _LOCAL_WORKERS[ref.trainer] = backend_class(trainer_path)(spec)
+        _LOCAL_WORKERS.update({n: backend_class(path)(spec) for _, path, n in workers})
         return ref
     env = {"env_vars": worker_environment() | {"OMP_NUM_THREADS": str(spec.torch_threads)}}
-    handles = [
-        ray.remote(cls)
+    options = {
+        "namespace": NAMESPACE,
+        "num_cpus": resources.num_cpus,
+        "num_gpus": resources.num_gpus,
+        "runtime_env": env,
+        "max_concurrency": 1,
+    }
+    handles = {
+        actor_name: ray.remote(cls)
         .options(
             name=actor_name,
-            namespace=NAMESPACE,
-            num_cpus=resources.num_cpus,
-            num_gpus=resources.num_gpus,
-            runtime_env=env,
-            max_concurrency=1,
+            scheduling_strategy="SPREAD" if cls is SamplerWorker and samplers > 1 else "DEFAULT",
+            **options,
         )
         .remote(path, spec)
-        for cls, path, actor_name in (
-            (SamplerWorker, sampler_path, ref.sampler),
-            (TrainerWorker, trainer_path, ref.trainer),
-        )
-    ]
-    ray.get([h.__ray_ready__.remote() for h in handles])
-    _OWNED_ACTORS.update({ref.sampler: handles[0], ref.trainer: handles[1]})
+        for cls, path, actor_name in workers
+    }
+    ray.get([h.__ray_ready__.remote() for h in handles.values()])
+    _OWNED_ACTORS.update(handles)
     return ref
 
 
 def stop_policy(ref: PolicyRef) -> None:
     """Release the workers (idempotent)."""
-    for name in (ref.sampler, ref.trainer):
+    for name in (*ref.samplers, ref.trainer):
         if ref.local:
             _LOCAL_WORKERS.pop(name, None)
             continue
@@ -180,14 +222,16 @@ def stop_policy(ref: PolicyRef) -> None:
 
 
 def sync_weights(ref: PolicyRef) -> int:
-    """Copy the trainer's weights into the sampler; returns the synced weights version."""
+    """Copy the trainer's weights into every sampler; returns the synced weights version."""
     if ref.local:
-        return _LOCAL_WORKERS[ref.sampler].set_weights(_LOCAL_WORKERS[ref.trainer].get_weights())
+        weights = _LOCAL_WORKERS[ref.trainer].get_weights()
+        return min(_LOCAL_WORKERS[name].set_weights(weights) for name in ref.samplers)
     trainer_handle = ray.get_actor(ref.trainer, namespace=NAMESPACE)
-    sampler_handle = ray.get_actor(ref.sampler, namespace=NAMESPACE)
-    # The weights travel trainer -> object store -> sampler, never through this process.
+    # The weights travel trainer -> object store -> samplers (one copy in the store, fetched
+    # by each sampler's node), never through this process.
     weights = trainer_handle.call.remote("get_weights")
-    return ray.get(sampler_handle.call.remote("set_weights", weights))
+    handles = [ray.get_actor(name, namespace=NAMESPACE) for name in ref.samplers]
+    return min(ray.get([h.call.remote("set_weights", weights) for h in handles]))
 
 
 def run_on_ray(fn: Callable[..., Any], *args: Any) -> Any:

@@ -120,6 +120,9 @@ def generation_eos_ids(path: str) -> list[int]:
     return [int(t) for t in (eos if isinstance(eos, list) else [eos])]
 
 
+_PROMPT_MEMO_SIZE = 4096
+
+
 class HFChatFormat:
     """``ChatFormat`` over any Hugging Face chat template (see the module docstring).
 
@@ -175,6 +178,7 @@ class HFChatFormat:
         if tokenizer.eos_token_id is not None:
             stops.append(int(tokenizer.eos_token_id))
         self.stop_token_ids: list[int] = list(dict.fromkeys(stops))
+        self._prompts: dict[str, list[int]] = {}  # encode_prompt's memo (text-only prompts)
 
     @classmethod
     def from_folder(
@@ -199,8 +203,18 @@ class HFChatFormat:
 
     def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
         """Opening messages plus the generation prompt, as token ids (BOS, default system
-        message and all, exactly as the template renders them)."""
-        return self._expand(self._render_ids(messages, generation_prompt=True))
+        message and all, exactly as the template renders them). Text-only prompts are
+        remembered (a GRPO group's episodes open with the same messages)."""
+        try:
+            key = json.dumps(messages, sort_keys=True)
+        except TypeError:  # image bytes: rendered every time
+            return self._expand(self._render_ids(messages, generation_prompt=True))
+        ids = self._prompts.get(key)
+        if ids is None:
+            if len(self._prompts) >= _PROMPT_MEMO_SIZE:
+                self._prompts.clear()
+            ids = self._prompts[key] = self._expand(self._render_ids(messages, True))
+        return list(ids)
 
     def encode_turn(self, message: dict[str, Any]) -> list[int]:
         """What follows a sampled turn's end-of-turn token: the template's separator, ``message``

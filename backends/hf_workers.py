@@ -124,10 +124,13 @@ class HFSampler:
             ids[i, width - len(p) :] = torch.tensor(p)
             attention[i, width - len(p) :] = 1
         greedy = temperature <= 0
+        ids, attention = ids.to(self.device), attention.to(self.device)
+        shared = {} if vision else _shared_prompt_cache(self.model, ids, attention)
         out = self.model.generate(
-            input_ids=ids.to(self.device),
-            attention_mask=attention.to(self.device),
+            input_ids=ids,
+            attention_mask=attention,
             **vision,
+            **shared,
             suppress_tokens=unsampled or None,
             max_new_tokens=max_new_tokens,
             do_sample=not greedy,
@@ -162,6 +165,34 @@ class HFSampler:
 
     def get_weights_version(self) -> int:
         return self.weights_version
+
+
+def _shared_prompt_cache(
+    model: torch.nn.Module, ids_B_T: torch.Tensor, attention_B_T: torch.Tensor
+) -> dict[str, Any]:
+    """``generate``'s ``past_key_values`` when rows repeat a prompt (a GRPO group's samples
+    share theirs): every distinct prompt but its last token is prefilled once, and the KV
+    cache is copied to the rows that repeat it, so ``generate`` only runs the last prompt token
+    and the new ones. Empty (prefill as usual) when every prompt is distinct."""
+    distinct: dict[tuple[int, ...], int] = {}
+    first: list[int] = []
+    index: list[int] = []
+    for i, row in enumerate(ids_B_T.tolist()):
+        slot = distinct.setdefault(tuple(row), len(first))
+        if slot == len(first):
+            first.append(i)
+        index.append(slot)
+    if len(first) == len(index) or ids_B_T.shape[1] < 2:
+        return {}
+    from transformers import DynamicCache
+
+    prefix, mask = ids_B_T[first, :-1], attention_B_T[first, :-1]
+    positions = mask.long().cumsum(-1) - 1  # as generate numbers left-padded rows
+    positions.masked_fill_(mask == 0, 1)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=prefix, attention_mask=mask, position_ids=positions, past_key_values=cache)
+    cache.reorder_cache(torch.tensor(index, device=ids_B_T.device))
+    return {"past_key_values": cache}
 
 
 def _unsampled_token_ids(image_inputs: ImageInputs | None) -> list[int]:

@@ -29,7 +29,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from step_time import set_environment  # same folder: the benchmark scripts share it
+from footprint import TreePeak, watch  # same folder: the benchmark scripts share them
+from step_time import set_environment
 
 NEVER = "1000000"  # eval and checkpoint intervals that keep both out of the measured steps
 SKIP = 2  # first steps left out of the steady state (worker processes start in them)
@@ -108,8 +109,10 @@ def flowrl_side(size: str, steps: int, ahead: int) -> dict[str, Any]:
     with get_client(sync_client=True) as client:  # starts the ephemeral Prefect API
         client.hello()
     api_up = time.perf_counter()
-    result = rl_train(config)
+    state = rl_train(config, return_state=True)
     flow_s = time.perf_counter() - api_up
+    result = state.result()
+    start_up = startup_split(state.state_details.flow_run_id)
 
     def series(key: str) -> list[float]:
         history = tracking.client().get_metric_history(result.mlflow_run_id, key)
@@ -138,11 +141,45 @@ def flowrl_side(size: str, steps: int, ahead: int) -> dict[str, Any]:
         "one_off": {
             "imports": imported - started,
             "Prefect API start": api_up - imported,
-            "flow outside the steps (Ray, actors, warm-up, evals, register)": flow_s
-            - sum(times["step"]),
-            f"first {SKIP} steps beyond the steady state (Ray workers start)": cold_s,
+            **start_up,
+            "rest of the flow outside the steps (final eval, register, finish)": flow_s
+            - sum(times["step"])
+            - sum(start_up.values()),
+            f"first {SKIP} steps beyond the steady state": cold_s,
         },
         "warm_model": warm.model_uri,
+    }
+
+
+def startup_split(flow_run_id: Any) -> dict[str, float]:
+    """Seconds from the flow run's start to its first RL step, by phase, from the task runs
+    Prefect recorded: Ray and the MLflow run (before the first task), model and warm-up
+    (cached: a lookup), the policy's actors starting (warm-up end → restore), restore and the
+    first eval."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    flow_filter = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+    with get_client(sync_client=True) as client:
+        flow_run = client.read_flow_run(flow_run_id)
+        runs = client.read_task_runs(flow_run_filter=flow_filter, limit=1000)
+    runs = sorted((r for r in runs if r.start_time and r.end_time), key=lambda r: r.start_time)
+
+    def first(prefix: str) -> Any:
+        return next(r for r in runs if r.name.startswith(prefix))
+
+    prepare, warm, restore = first("prepare-model"), first("warmup"), first("restore")
+    evaluation, rollout = first("eval"), first("rollout")
+    return {
+        "flow start → first task (Ray start, MLflow run, GPU slots)": (
+            prepare.start_time - flow_run.start_time
+        ).total_seconds(),
+        "prepare-model + warm-up (cached)": (warm.end_time - prepare.start_time).total_seconds(),
+        "policy actors start": (restore.start_time - warm.end_time).total_seconds(),
+        "restore + first eval": (evaluation.end_time - restore.start_time).total_seconds(),
+        "first eval → first rollout starts": (
+            rollout.start_time - evaluation.end_time
+        ).total_seconds(),
     }
 
 
@@ -284,60 +321,25 @@ def trl_side(size: str, seconds: float, threads: int, warm_model: str) -> dict[s
 # ------------------------------------------------------------------------- parent: runs
 
 
-class TreeMemory:
-    """Peak summed PSS and RSS (MB) of a process and all its descendants, sampled every 0.5 s.
-    PSS shares each shared page among its users, so torch's libraries in ten processes are
-    not counted ten times; RSS sums are the pessimistic bound."""
-
-    def __init__(self, pid: int):
-        import psutil
-
-        self._root = psutil.Process(pid)
-        self.pss = self.rss = 0.0
-        self.processes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        import psutil
-
-        while not self._stop.wait(0.5):
-            pss = rss = 0.0
-            try:
-                tree = [self._root, *self._root.children(recursive=True)]
-            except psutil.Error:
-                continue
-            for p in tree:
-                try:
-                    info = p.memory_full_info()
-                except psutil.Error:
-                    continue
-                pss, rss = pss + info.pss / 2**20, rss + info.rss / 2**20
-            self.pss, self.rss = max(self.pss, pss), max(self.rss, rss)
-            self.processes = max(self.processes, len(tree))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 def run_child(label: str, argv: list[str], home: Path) -> dict[str, Any]:
     out = home / f"{label}.json"
     log = home / f"{label}.log"
     cmd = [sys.executable, __file__, *argv, "--home", str(home), "--result", str(out)]
     print(f"[{datetime.now():%H:%M:%S}] {label}: {shlex.join(cmd[1:])}", file=sys.stderr)
     start = time.perf_counter()
+    peak, stop = TreePeak(), threading.Event()
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
-        memory = TreeMemory(proc.pid)
+        watcher = threading.Thread(target=watch, args=(proc.pid, peak, stop), daemon=True)
+        watcher.start()
         code = proc.wait()
-        memory.stop()
+        stop.set()
+        watcher.join()
     if code != 0:
         raise RuntimeError(f"{label} failed with exit code {code}; see {log}")
     result = json.loads(out.read_text())
-    result |= {"peak_pss_mb": memory.pss, "peak_rss_mb": memory.rss}
-    result |= {"processes": memory.processes, "wall_s": time.perf_counter() - start}
+    result |= {"peak_pss_mb": peak.pss, "peak_rss_mb": peak.rss, "memory_split": peak.split}
+    result |= {"processes": peak.processes, "wall_s": time.perf_counter() - start}
     print(f"    {label}: {json.dumps(_brief(result))}", file=sys.stderr)
     return result
 
@@ -518,6 +520,17 @@ def analysis(all_runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def memory_table(all_runs: dict[str, dict[str, Any]]) -> str:
+    """Each side's peak PSS split by process kind (at the peak sample)."""
+    rows = ["| size | side | process | count | PSS, MB |", "|---|---|---|--:|--:|"]
+    for size, runs in all_runs.items():
+        for side, r in runs.items():
+            split = sorted(r["memory_split"].items(), key=lambda kv: -kv[1][1])
+            for name, (count, mb) in split:
+                rows.append(f"| {size} | {side} | {name} | {count} | {mb:.0f} |")
+    return "\n".join(rows) + "\n"
+
+
 def one_off_table(all_runs: dict[str, dict[str, Any]]) -> str:
     rows = ["| size | side | one-off cost | s |", "|---|---|---|--:|"]
     for size, runs in all_runs.items():
@@ -560,7 +573,8 @@ def report(all_runs: dict[str, dict[str, Any]], wall_s: float, loads: list[str])
   grad-norm clip 1.0, one optimiser step per batch, torch threads 1 per worker process (flowrl:
   sampler actor and trainer actor, one CPU each; TRL: its one process, and also with 2 threads
   where listed).
-- flowrl: the real `rl_train` flow (Prefect tasks on Ray, weights in two Ray actors, MLflow),
+- flowrl: the real `rl_train` flow (Prefect task runs in the flow process calling the Ray
+  actors that hold the weights, MLflow),
   `schedule.off_policy_steps=1` unless marked on-policy. s/step: mean of the flow's
   `time/step_s` after the first {SKIP} steps (its Ray workers start there). TRL: `GRPOTrainer`
   (`use_cpu=True, use_vllm=False`), s/step between `on_step_end` callbacks, same warm-up skip.
@@ -583,7 +597,7 @@ Stage times are the task bodies as the flow logs them (`time/rollout_s`, `time/r
 `time/update_s`, `time/train_s`, `time/sync_s`); one-step-off's rollout column is the batch's own
 rollout, which ran during the previous step, and its critical path is
 max(rollout sampled ahead, reward + update) + sync. Orchestration is the rest: Prefect task
-start/finish in the Ray workers, result passing, MLflow logging in the flow.
+run start/finish, actor calls, result passing, MLflow logging in the flow.
 
 {profile_table(all_runs)}
 TRL's step, split by timing its generation call:
@@ -600,19 +614,23 @@ noise, not a verdict on the algorithms.
 
 Overlap alone cannot reach it here: with two stages on two cores a step lasts at least as long as
 the longer stage, and TRL's own split (above) bounds the gain well under 2× at both sizes, even
-with no orchestration at all. flowrl's orchestration (about 0.5 s per step: its stages are
-Prefect task runs in Ray workers at ~150 ms each, `docs/benchmarks/step_time.md`) comes on top
-of that bound, and the overlapped stages slow each other down a little on two shared cores.
+with no orchestration at all. flowrl's orchestration (the last column above) comes on top of
+that bound, and the overlapped stages slow each other down a little on two shared cores (the
+flow process runs the agent loop beside the two actors).
 What would move the ratio: (1) more cores than stages, so that each overlapped stage also runs
 multi-threaded or several samplers feed one trainer (TRL with both cores is the row to beat:
 its two threads already use what flowrl's two actors use); (2) stages cheaper than TRL's, e.g.
 flowrl's vLLM sampler on a GPU (`resources.sampler_backend: vllm`, not measured here) where TRL
-here uses HF `generate`; (3) less orchestration on the critical path, e.g. the small reward
-stage run as a task in the flow process, or Prefect task runs that reuse their API client.
+here uses HF `generate`; (3) more samplers than one (`resources.samplers`) on more cores.
 Sampling further ahead (staleness 2+) would not help: at the large size the trainer is the
 longer stage and is already busy all the time.
 
+## Peak memory by process (PSS at each side's peak)
+
+{memory_table(all_runs)}
 ## One-off costs (not in s/step)
+
+flowrl's start-up is split by the task runs Prefect recorded for the flow run.
 
 {one_off_table(all_runs)}"""
 

@@ -21,7 +21,7 @@ from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from tqdm import tqdm
 
-from flowrl.backends.actors import PolicyRef, stop_policy
+from flowrl.backends.actors import PolicyRef, stop_policy, worker_nodes
 from flowrl.backends.types import WorkerSpec
 from flowrl.environments.remote import stop_env_pool
 from flowrl.infra import tracking
@@ -157,7 +157,8 @@ class JobRun:
 
     def start_policy(self, model_uri: str, name: str | None = None) -> PolicyRef:
         """Start a policy's workers with the job's resources, backends and optimiser settings
-        (named ``name``, default the run name); they are stopped when the run ends."""
+        (named ``name``, default the run name); they are stopped when the run ends. The Ray
+        node of each is a tag of the MLflow run (``node/sampler-0``, ``node/trainer``)."""
         spec = WorkerSpec(
             model_uri=model_uri,
             cache_dir=self.ctx.cache_dir,
@@ -166,6 +167,11 @@ class JobRun:
         )
         policy = self.config.resources.plan().start(name or self.ctx.run_name, spec)
         self._policies.append(policy)
+        prefix = f"{name}/" if name else ""
+        nodes = worker_nodes(policy)
+        tags = {f"node/{prefix}trainer": nodes[policy.trainer]}
+        tags |= {f"node/{prefix}sampler-{i}": nodes[s] for i, s in enumerate(policy.samplers)}
+        tracking.set_tags(self.run_id, tags)  # where each worker runs, on the MLflow run
         return policy
 
     # ------------------------------------------------------------------------ progress

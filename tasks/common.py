@@ -6,6 +6,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any
 
@@ -45,8 +46,8 @@ class SeededSampler:
     same tokens.
     """
 
-    def __init__(self, policy: PolicyRef, base_seed: int):
-        self._worker = sampler(policy)
+    def __init__(self, policy: PolicyRef, base_seed: int, index: int = 0):
+        self._worker = sampler(policy, index)
         self._base_seed = base_seed
         self._calls = 0
 
@@ -75,23 +76,43 @@ def run_group_episodes(
     id_prefix: str,
 ) -> list[Trajectory]:
     """Run ``group_size`` episodes per row (one group per row), batched through the sampler.
+    With several samplers (``resources.samplers``) the groups are split into contiguous shares,
+    one per sampler, run side by side; share i samples with seed ``(seed, i)`` (share 0 with
+    ``seed``, so one sampler samples exactly as before), and the episodes come back in order.
 
     ``envs_from`` is a task config (in-process environments from its ``make_env()``) or a
     factory ``make_env(episode_id)`` such as ``environments.remote.EnvFactory``.
     """
     make_env = envs_from if callable(envs_from) else (lambda _id: envs_from.make_env())
-    episode_rows = [row for row in rows for _ in range(group_size)]
-    group_ids = [g for g in range(len(rows)) for _ in range(group_size)]
-    ids = [f"{id_prefix}-{g}-{k % group_size}" for k, g in enumerate(group_ids)]
-    envs = [make_env(episode_id) for episode_id in ids]
+    shares = _split(list(range(len(rows))), len(policy.samplers))
+
+    def run_share(index: int) -> list[Trajectory]:
+        groups = shares[index]
+        group_ids = [g for g in groups for _ in range(group_size)]
+        ids = [f"{id_prefix}-{g}-{k % group_size}" for k, g in enumerate(group_ids)]
+        envs = [make_env(episode_id) for episode_id in ids]
+        share_seed = seed if index == 0 else derived_seed(seed, index)
+        episode_rows = [rows[g] for g in group_ids]
+        episode_sampler = SeededSampler(policy, share_seed, index)
+        return run_episodes(envs, episode_rows, group_ids, episode_sampler, chat, limits, ids)
+
     try:
-        return run_episodes(
-            envs, episode_rows, group_ids, SeededSampler(policy, seed), chat, limits, ids
-        )
+        if len(shares) == 1 or policy.local:  # in-process samplers share torch's global RNG
+            return [t for index in range(len(shares)) for t in run_share(index)]
+        with ThreadPoolExecutor(len(shares), thread_name_prefix="sampler-share") as pool:
+            return [t for share in pool.map(run_share, range(len(shares))) for t in share]
     finally:
         close = getattr(make_env, "close", None)
         if close is not None:
             close()
+
+
+def _split(items: list[int], parts: int) -> list[list[int]]:
+    """``items`` in at most ``parts`` contiguous, non-empty shares of near-equal size."""
+    parts = max(1, min(parts, len(items)))
+    size, extra = divmod(len(items), parts)
+    bounds = [i * size + min(i, extra) for i in range(parts + 1)]
+    return [items[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
 def episode_metrics(trajectories: list[Trajectory], prefix: str) -> dict[str, float]:

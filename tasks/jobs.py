@@ -320,6 +320,13 @@ class ResourcesSection(_Section):
         default=0, ge=0, description="GPUs each of the sampler and trainer actors asks Ray for."
     )
     torch_threads: int = Field(default=1, ge=1, le=256, description="torch threads per worker.")
+    samplers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Sampler actors per policy, spread over the cluster's nodes, each holding "
+        "the synced weights; a rollout's groups are split between them.",
+    )
     gpus: int = Field(
         default=0,
         ge=0,
@@ -335,14 +342,16 @@ class ResourcesSection(_Section):
 
     def plan(self) -> WorkerPlan:
         """How every policy worker of the job starts, warm-up included: the job's GPU slots
-        split between a policy's sampler and trainer unless set per worker, its backends and
-        its precision."""
+        split evenly between a policy's samplers and trainer unless set per worker, its
+        backends and its precision."""
+        per_worker = self.gpus_per_worker or self.gpus / (self.samplers + 1)
         return WorkerPlan(
-            resources=ActorResources(num_cpus=1, num_gpus=self.gpus_per_worker or self.gpus / 2),
+            resources=ActorResources(num_cpus=1, num_gpus=per_worker),
             sampler_backend=self.sampler_backend,
             trainer_backend=self.trainer_backend,
             torch_threads=self.torch_threads,
             dtype=self.dtype,
+            samplers=self.samplers,
         )
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flowrl.backends.actors import PolicyRef, sampler, sync_weights, trainer
+from flowrl.backends.actors import PolicyRef, sampler_weights_version, sync_weights, trainer
 from flowrl.backends.types import Datum
 from flowrl.environments.remote import env_factory_for
 from flowrl.infra.storage import Storage, prune_checkpoints
@@ -50,7 +50,7 @@ def rollout(
     if cursor:
         source.load_state(cursor)
     rows = source.next_batch(cfg.rollout.prompts_per_step)
-    version = sampler(policy).get_weights_version()
+    version = sampler_weights_version(policy)
     trajectories = run_group_episodes(
         env_factory_for(cfg.env, ctx.run_name),
         rows,
@@ -61,7 +61,7 @@ def rollout(
         seed=derived_seed(cfg.seed, "rollout", step),
         id_prefix=f"s{step}",
     )
-    if sampler(policy).get_weights_version() != version:  # a sync mid-rollout mixes two policies
+    if sampler_weights_version(policy) != version:  # a sync mid-rollout mixes two policies
         raise RuntimeError(f"step {step}: the sampler's weights changed during the rollout")
     rel = f"{ctx.step_dir(step)}/trajectories.json"
     save_trajectories(Storage(ctx.storage_url), rel, trajectories)

@@ -53,20 +53,66 @@ def ray_head(env: dict[str, str], num_cpus: int = 8) -> Iterator[str]:
     cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block"]
     cmd += ["--node-ip-address", "127.0.0.1", "--port", str(port), "--num-cpus", str(num_cpus)]
     cmd += ["--num-gpus", "0", "--include-dashboard", "false", "--disable-usage-stats"]
+    with _ray_process([*cmd, "--temp-dir", temp], env, temp):
+        deadline = time.monotonic() + 120
+        while not _listening(port):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Ray head did not start")
+            time.sleep(0.2)
+        yield f"127.0.0.1:{port}"
+
+
+@contextlib.contextmanager
+def ray_node(address: str, env: dict[str, str], num_cpus: int = 2) -> Iterator[None]:
+    """A second node of the cluster at ``address`` on this machine (``ray start --address
+    --block``), as an operator adds one; yields once the cluster counts it; stopped by PID."""
+    before = _alive_nodes(address, env)
+    cmd = [str(Path(sys.executable).with_name("ray")), "start", "--address", address, "--block"]
+    cmd += ["--node-ip-address", "127.0.0.1", "--num-cpus", str(num_cpus), "--num-gpus", "0"]
+    cmd += ["--disable-usage-stats"]
+    with _ray_process(cmd, env, None):
+        deadline = time.monotonic() + 120
+        while _alive_nodes(address, env) <= before:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the second Ray node did not join")
+            time.sleep(1.0)
+        yield
+
+
+_COUNT_NODES = """
+import sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False)
+print("NODES", sum(1 for n in ray.nodes() if n["Alive"]))
+"""
+
+
+def _alive_nodes(address: str, env: dict[str, str]) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", _COUNT_NODES, address],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = [x for x in out.stdout.splitlines() if x.startswith("NODES ")]
+    return int(lines[-1].split()[1]) if lines else 0
+
+
+@contextlib.contextmanager
+def _ray_process(cmd: list[str], env: dict[str, str], temp: str | None) -> Iterator[None]:
+    """Run a blocking ``ray start`` in its own process group; stop it by PID (SIGTERM to the
+    group, SIGKILL if it lingers) and remove its temp folder."""
     proc = subprocess.Popen(
-        [*cmd, "--temp-dir", temp],
+        cmd,
         env={**env, "RAY_USAGE_STATS_ENABLED": "0"},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     try:
-        deadline = time.monotonic() + 120
-        while not _listening(port):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the Ray head did not start (exit {proc.poll()})")
-            time.sleep(0.2)
-        yield f"127.0.0.1:{port}"
+        if proc.poll() is not None:
+            raise RuntimeError(f"{cmd[1:3]} exited at once ({proc.returncode})")
+        yield
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             with contextlib.suppress(ProcessLookupError):
@@ -76,7 +122,8 @@ def ray_head(env: dict[str, str], num_cpus: int = 8) -> Iterator[str]:
                 break
             except subprocess.TimeoutExpired:
                 continue
-        shutil.rmtree(temp, ignore_errors=True)
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
 
 
 def _listening(port: int) -> bool:

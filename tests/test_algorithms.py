@@ -220,6 +220,16 @@ def test_registries_resolve_by_name_and_reject_unknown_names_listing_known_ones(
         get_policy_loss("dpo")
 
 
+def test_config_validation_names_every_registered_algorithm_and_no_other():
+    # Job configs are validated where torch is not imported, against these names.
+    from flowrl.backends import types
+
+    assert types.ADVANTAGE_NAMES == tuple(ADVANTAGE_ESTIMATORS)
+    assert types.POLICY_LOSS_NAMES == tuple(POLICY_LOSSES)
+    assert types.LOSS_AGGREGATION_NAMES == tuple(LOSS_AGGREGATIONS)
+    assert types.KL_ESTIMATOR_NAMES == tuple(KL_ESTIMATORS)
+
+
 # --- Dr. GRPO and REINFORCE++ -----------------------------------------------------------------
 
 

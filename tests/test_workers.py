@@ -129,6 +129,48 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_deterministic(policy, pro
     assert greedy[0] == greedy[1] == greedy[2]
 
 
+def test_a_group_sharing_its_prompt_prefills_it_once_and_samples_the_same(
+    policy, prompts, monkeypatch
+):
+    """Rows that repeat a prompt (a GRPO group) reuse one prefilled KV cache: the samples and
+    their log-probs are those of prefilling every row, and still match the trainer's."""
+    from flowrl.backends import hf_workers
+
+    ref = policy()
+    grouped = [p for p in prompts for _ in range(4)]
+    prefilled: list[int] = []  # rows prefilled ahead of generate, per sample call
+    shared_cache = hf_workers._shared_prompt_cache
+
+    def counted(model, ids, attention):
+        forward = model.forward
+
+        def spy(*args, **kwargs):
+            prefilled.append(len(kwargs["input_ids"]))
+            return forward(*args, **kwargs)
+
+        model.forward = spy
+        try:
+            return shared_cache(model, ids, attention)
+        finally:
+            del model.forward
+
+    monkeypatch.setattr(hf_workers, "_shared_prompt_cache", counted)
+    shared = sampler(ref).sample(grouped, MAX_NEW_TOKENS, 1.0, seed=5)
+    sampler(ref).sample(prompts, MAX_NEW_TOKENS, 1.0, seed=5)
+    assert prefilled == [3]  # 3 distinct prompts once; distinct prompts are not prefilled apart
+    monkeypatch.setattr(hf_workers, "_shared_prompt_cache", lambda *a: {})
+    full = sampler(ref).sample(grouped, MAX_NEW_TOKENS, 1.0, seed=5)
+    assert [r.tokens for r in shared] == [r.tokens for r in full]
+    for a, b in zip(shared, full, strict=True):
+        torch.testing.assert_close(
+            torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5, rtol=0
+        )
+    rows = trainer(ref).compute_logprobs(as_data(grouped, shared))
+    for prompt, result, row in zip(grouped, shared, rows, strict=True):
+        expected = torch.tensor(row[len(prompt) :])
+        torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=1e-5, rtol=0)
+
+
 def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(policy, prompts, tmp_path):
     url, prefix = str(tmp_path / "store"), "job/checkpoints"
     ref = policy()
