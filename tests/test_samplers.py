@@ -114,6 +114,7 @@ def test_two_samplers_on_two_nodes_of_a_ray_cluster_feed_one_trainer(tmp_path, p
     env = dict(os.environ)
     env["FLOWRL_HOME"] = str(tmp_path / "home")
     env.pop("MLFLOW_TRACKING_URI", None)
+    env["RAY_AUTH_MODE"] = "token"  # the cluster's token (~/.ray) lets the second node join
     flowrl = str(Path(sys.executable).with_name("flowrl"))
     overrides = [
         "name=two-samplers",
