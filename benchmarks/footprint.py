@@ -39,9 +39,13 @@ def kind(proc: psutil.Process) -> str:
     except psutil.Error:
         return "gone"
     if name.startswith("ray::"):  # ray::SamplerWorker, ray::TrainerWorker, ray::IDLE, ...
-        return name.split(".")[0]  # a busy actor is named after its method: ray::Actor.call
+        # A busy actor is named after its method (ray::Actor.call), a starting named one
+        # after its name too (ray::job-sampler:Actor).
+        return "ray::" + name[5:].split(".")[0].rsplit(":", 1)[-1]
     for pattern, label in (
         (r"flowrl train", "flowrl train (driver: flow, Prefect client)"),
+        (r"trl_compare\.py .*--side flowrl", "driver (flow, Prefect client)"),
+        (r"trl_compare\.py .*--side trl", "TRL (GRPOTrainer)"),
         (r"uvicorn .*prefect", "Prefect API (ephemeral)"),
         (r"dashboard\.py", "Ray dashboard (head)"),
         (r"log_monitor\.py", "Ray log monitor"),

@@ -158,11 +158,14 @@ def startup_split(flow_run_id: Any) -> dict[str, float]:
     first eval."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.client.schemas.sorting import TaskRunSort
 
     flow_filter = FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
     with get_client(sync_client=True) as client:
         flow_run = client.read_flow_run(flow_run_id)
-        runs = client.read_task_runs(flow_run_filter=flow_filter, limit=1000)
+        runs = client.read_task_runs(  # the first ones: start-up and the first step
+            flow_run_filter=flow_filter, sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=50
+        )
     runs = sorted((r for r in runs if r.start_time and r.end_time), key=lambda r: r.start_time)
 
     def first(prefix: str) -> Any:

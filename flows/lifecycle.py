@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -115,6 +116,9 @@ class JobRun:
         self._exits = contextlib.ExitStack()
         self._progress: tuple[Any, int] | None = None
         self._bar: tqdm | None = None
+        # Metrics reach MLflow from one background thread, in order, off the step's path.
+        self._metrics = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-metrics")
+        self._logged: list[Future] = []
 
     def __enter__(self) -> JobRun:
         get_settings().apply_to_environment()
@@ -127,9 +131,11 @@ class JobRun:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
+            self._flush_metrics(raise_errors=exc_type is None)
             if exc_type is not None:
                 tracking.end_run(self.run_id, status="FAILED")
         finally:
+            self._metrics.shutdown(wait=True)
             self._exits.__exit__(exc_type, exc, tb)
 
     def _start_tracking(self) -> str:
@@ -202,7 +208,22 @@ class JobRun:
     # ------------------------------------------------------------------------- records
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        tracking.log_metrics(self.run_id, metrics, step)
+        """Log ``metrics`` at ``step`` to the MLflow run, asynchronously (in order); they are
+        all written before the run finishes or fails."""
+        self._logged = [f for f in self._logged if not f.done() or f.exception() is not None]
+        self._logged.append(self._metrics.submit(tracking.log_metrics, self.run_id, metrics, step))
+
+    def flush_metrics(self) -> None:
+        """Wait until every metric logged so far is in MLflow (before a checkpoint commits:
+        a job killed after it resumes without losing the metrics of the steps it keeps)."""
+        self._flush_metrics()
+
+    def _flush_metrics(self, raise_errors: bool = True) -> None:
+        """Wait until every logged metric is written; the first write error is raised."""
+        logged, self._logged = self._logged, []
+        errors = [e for e in (f.exception() for f in logged) if e is not None]
+        if errors and raise_errors:
+            raise errors[0]
 
     def finish(
         self,
@@ -215,6 +236,7 @@ class JobRun:
         write the result (a dataclass) as ``result.json`` beside ``job.json``, give the Prefect
         run its artifacts (a markdown summary, a results table of ``table`` metrics by step,
         default ``curves``, and a link to the MLflow run), end the MLflow run."""
+        self._flush_metrics()
         if curves:
             tracking.log_reward_curve(self.run_id, list(curves), plot)
         record = redact(dataclasses.asdict(result))

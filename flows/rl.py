@@ -79,6 +79,7 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
                 job.log(result.metrics(), step + 1)
             if due(step, config.schedule.steps, config.schedule.checkpoint_every, at_end=True):
                 meta = {"cursor": batch.cursor, "accuracy_start": acc_start}
+                job.flush_metrics()  # the steps a checkpoint keeps keep their metrics
                 checkpoint.submit(config, job.ctx, policy, step + 1, meta).result()
         final = evaluate.submit(config, job.ctx, warm.model_uri, policy).result()
         metrics = final.metrics("final")

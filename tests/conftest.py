@@ -38,6 +38,7 @@ SLOW_MODULES = (
     "test_retrain.py",  # ~80 s
     "test_layering.py",  # ~60 s: a wheel build and a job in a user folder
     "test_namespaces.py",  # ~60 s: two namespaces' jobs at once, storage on S3
+    "test_samplers.py",  # ~75 s: two samplers on a two-node Ray cluster
     "test_sft.py",  # ~50 s
     "test_tokenizer_compat.py",  # ~45 s: installs transformers 4.x into a temp folder
     "test_mlflow_model.py",  # ~30 s: mlflow models serve

@@ -39,26 +39,32 @@ SMALL_RL = {
 def test_warmup_workers_start_with_the_jobs_resources_and_backends(tmp_path, monkeypatch):
     from flowrl.tasks.model import prepare_model, warmup
 
-    started: list[tuple[str, ActorResources, str, str]] = []
+    started: list[tuple[str, ActorResources, str, str, int]] = []
     real_start = actors.start_policy
 
-    def record(name, spec, resources, sampler_backend, trainer_backend):
-        started.append((name, resources, sampler_backend, trainer_backend))
-        return real_start(name, spec, local=True)  # the real workers, in this process
+    def record(name, spec, resources, sampler_backend, trainer_backend, samplers):
+        started.append((name, resources, sampler_backend, trainer_backend, samplers))
+        return real_start(name, spec, local=True, samplers=samplers)  # real workers, in-process
 
     monkeypatch.setattr(actors, "start_policy", record)
     cfg = RLJobConfig.model_validate(
         {
             "name": "warm-plan",
             "warmup": {"max_steps": 2, "eval_every": 2, "batch_size": 4},
-            "resources": {"gpus_per_worker": 0.5, "trainer_backend": "torch", "torch_threads": 1},
+            "resources": {
+                "gpus_per_worker": 0.5,
+                "trainer_backend": "torch",
+                "torch_threads": 1,
+                "samplers": 2,
+            },
         }
     )
     ctx = JobContext(cfg.name, str(tmp_path / "s"), str(tmp_path / "c"), "warm-plan-run")
     result = warmup.fn(cfg, ctx, prepare_model.fn(cfg, ctx))
     assert result.steps == 2 and not result.cached
-    assert started == [("warm-plan-run-warmup", ActorResources(1, 0.5), "hf", "torch")]
-    assert cfg.resources.plan() == WorkerPlan(ActorResources(1, 0.5), "hf", "torch", 1)
+    assert started == [("warm-plan-run-warmup", ActorResources(1, 0.5), "hf", "torch", 2)]
+    plan = WorkerPlan(ActorResources(1, 0.5), "hf", "torch", 1, samplers=2)
+    assert cfg.resources.plan() == plan
 
 
 def _chat_file(folder: Path, n: int) -> str:
