@@ -8,6 +8,8 @@ when a ``PolicyRef`` is started with ``local=True`` (benchmarks, notebooks witho
 from __future__ import annotations
 
 import importlib
+import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +61,9 @@ class _Worker:
     def node_id(self) -> str:
         """The Ray node this worker runs on."""
         return ray.get_runtime_context().get_node_id()
+
+    def pid(self) -> int:
+        return os.getpid()
 
 
 class SamplerWorker(_Worker):
@@ -208,17 +213,54 @@ def start_policy(
     return ref
 
 
-def stop_policy(ref: PolicyRef) -> None:
-    """Release the workers (idempotent)."""
+def stop_policy(ref: PolicyRef, timeout_s: float = 30.0) -> None:
+    """Release the workers (idempotent). Workers on this machine are waited for until their
+    processes have exited, so a policy started next (the job's, after its warm-up's) never
+    shares the machine's memory with them."""
+    handles = []
     for name in (*ref.samplers, ref.trainer):
         if ref.local:
             _LOCAL_WORKERS.pop(name, None)
             continue
-        _OWNED_ACTORS.pop(name, None)
+        handle = _OWNED_ACTORS.pop(name, None)  # dropping the last handle would let Ray end it
         try:
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+            handles.append(handle or ray.get_actor(name, namespace=NAMESPACE))
         except ValueError:
             pass  # already gone
+    pids = _local_pids(handles)
+    for handle in handles:
+        ray.kill(handle)
+    deadline = time.monotonic() + timeout_s
+    while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _local_pids(handles: list[Any]) -> list[int]:
+    """The process ids of the actors among ``handles`` that run on this machine's node."""
+    if not handles:
+        return []
+    here = ray.get_runtime_context().get_node_id()
+    try:
+        where = ray.get([h.node_id.remote() for h in handles], timeout=5)
+        pids = ray.get([h.pid.remote() for h in handles], timeout=5)
+    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+        return []  # a dead or hung worker: nothing to wait for
+    return [pid for node, pid in zip(where, pids, strict=True) if node == here]
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie (exited, not yet reaped by the raylet) holds no memory.
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def sync_weights(ref: PolicyRef) -> int:
@@ -236,12 +278,21 @@ def sync_weights(ref: PolicyRef) -> int:
 
 def run_on_ray(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)`` as a one-off Ray task with the job's environment, in a worker that exits
-    after it (its imports, torch's included, leave with it); in-process when this process has
-    not initialised Ray (notebooks, local workers)."""
+    after it (its imports, torch's included, leave with it; one on this machine is waited for);
+    in-process when this process has not initialised Ray (notebooks, local workers)."""
     if not ray.is_initialized():
         return fn(*args)
     options = {"num_cpus": 1, "max_calls": 1, "runtime_env": {"env_vars": worker_environment()}}
-    return ray.get(ray.remote(**options)(fn).remote(*args))
+    result, node, pid = ray.get(ray.remote(**options)(_located).remote(fn, *args))
+    if node == ray.get_runtime_context().get_node_id():
+        deadline = time.monotonic() + 30.0
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return result
+
+
+def _located(fn: Callable[..., Any], *args: Any) -> tuple[Any, str, int]:
+    return fn(*args), ray.get_runtime_context().get_node_id(), os.getpid()
 
 
 def _pick(registry: dict[str, str], name: str, what: str) -> str:
