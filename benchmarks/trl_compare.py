@@ -177,7 +177,9 @@ def startup_split(flow_run_id: Any) -> dict[str, float]:
         "flow start → first task (Ray start, MLflow run, GPU slots)": (
             prepare.start_time - flow_run.start_time
         ).total_seconds(),
-        "prepare-model + warm-up (SFT, or its cache)": (warm.end_time - prepare.start_time).total_seconds(),
+        "prepare-model + warm-up (SFT, or its cache)": (
+            warm.end_time - prepare.start_time
+        ).total_seconds(),
         "policy actors start": (restore.start_time - warm.end_time).total_seconds(),
         "restore + first eval": (evaluation.end_time - restore.start_time).total_seconds(),
         "first eval → first rollout starts": (
