@@ -58,12 +58,13 @@ class _Worker:
     def call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._impl, verb)(*args, **kwargs)
 
-    def node_id(self) -> str:
-        """The Ray node this worker runs on."""
-        return ray.get_runtime_context().get_node_id()
+    def where(self) -> tuple[str, int]:
+        """(Ray node id, process id) of this worker."""
+        return _here()
 
-    def pid(self) -> int:
-        return os.getpid()
+
+def _here() -> tuple[str, int]:
+    return ray.get_runtime_context().get_node_id(), os.getpid()
 
 
 class SamplerWorker(_Worker):
@@ -163,7 +164,8 @@ def worker_nodes(ref: PolicyRef) -> dict[str, str]:
     if ref.local:
         return dict.fromkeys(names, "local")
     handles = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
-    return dict(zip(names, ray.get([h.node_id.remote() for h in handles]), strict=True))
+    places = ray.get([h.where.remote() for h in handles])
+    return {name: node for name, (node, _) in zip(names, places, strict=True)}
 
 
 def trainer(ref: PolicyRef) -> _Proxy:
@@ -227,25 +229,27 @@ def stop_policy(ref: PolicyRef, timeout_s: float = 30.0) -> None:
             handles.append(handle or ray.get_actor(name, namespace=NAMESPACE))
         except ValueError:
             pass  # already gone
-    pids = _local_pids(handles)
+    if not handles:  # local workers, or gone already (no Ray call: it would start a Ray)
+        return
+    try:
+        places = ray.get([h.where.remote() for h in handles], timeout=5)
+    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+        places = []  # a dead or hung worker: nothing to wait for
     for handle in handles:
         ray.kill(handle)
+    _wait_exited(places, timeout_s)
+
+
+def _wait_exited(places: list[tuple[str, int]], timeout_s: float) -> None:
+    """Wait (at most ``timeout_s``) until the processes at ``places`` (node id, pid) that run
+    on this machine's node have exited."""
+    if not places:
+        return
+    here = ray.get_runtime_context().get_node_id()
+    pids = [pid for node, pid in places if node == here]
     deadline = time.monotonic() + timeout_s
     while any(_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-
-
-def _local_pids(handles: list[Any]) -> list[int]:
-    """The process ids of the actors among ``handles`` that run on this machine's node."""
-    if not handles:
-        return []
-    here = ray.get_runtime_context().get_node_id()
-    try:
-        where = ray.get([h.node_id.remote() for h in handles], timeout=5)
-        pids = ray.get([h.pid.remote() for h in handles], timeout=5)
-    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-        return []  # a dead or hung worker: nothing to wait for
-    return [pid for node, pid in zip(where, pids, strict=True) if node == here]
 
 
 def _running(pid: int) -> bool:
@@ -283,16 +287,13 @@ def run_on_ray(fn: Callable[..., Any], *args: Any) -> Any:
     if not ray.is_initialized():
         return fn(*args)
     options = {"num_cpus": 1, "max_calls": 1, "runtime_env": {"env_vars": worker_environment()}}
-    result, node, pid = ray.get(ray.remote(**options)(_located).remote(fn, *args))
-    if node == ray.get_runtime_context().get_node_id():
-        deadline = time.monotonic() + 30.0
-        while _running(pid) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    result, place = ray.get(ray.remote(**options)(_located).remote(fn, *args))
+    _wait_exited([place], timeout_s=30.0)
     return result
 
 
-def _located(fn: Callable[..., Any], *args: Any) -> tuple[Any, str, int]:
-    return fn(*args), ray.get_runtime_context().get_node_id(), os.getpid()
+def _located(fn: Callable[..., Any], *args: Any) -> tuple[Any, tuple[str, int]]:
+    return fn(*args), _here()
 
 
 def _pick(registry: dict[str, str], name: str, what: str) -> str:

@@ -131,7 +131,7 @@ class JobRun:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            self._flush_metrics(raise_errors=exc_type is None)
+            self.flush_metrics(raise_errors=exc_type is None)
             if exc_type is not None:
                 tracking.end_run(self.run_id, status="FAILED")
         finally:
@@ -213,13 +213,10 @@ class JobRun:
         self._logged = [f for f in self._logged if not f.done() or f.exception() is not None]
         self._logged.append(self._metrics.submit(tracking.log_metrics, self.run_id, metrics, step))
 
-    def flush_metrics(self) -> None:
-        """Wait until every metric logged so far is in MLflow (before a checkpoint commits:
-        a job killed after it resumes without losing the metrics of the steps it keeps)."""
-        self._flush_metrics()
-
-    def _flush_metrics(self, raise_errors: bool = True) -> None:
-        """Wait until every logged metric is written; the first write error is raised."""
+    def flush_metrics(self, raise_errors: bool = True) -> None:
+        """Wait until every metric logged so far is in MLflow, raising the first write error
+        (before a checkpoint commits: a job killed after it resumes without losing the
+        metrics of the steps it keeps)."""
         logged, self._logged = self._logged, []
         errors = [e for e in (f.exception() for f in logged) if e is not None]
         if errors and raise_errors:
@@ -236,7 +233,7 @@ class JobRun:
         write the result (a dataclass) as ``result.json`` beside ``job.json``, give the Prefect
         run its artifacts (a markdown summary, a results table of ``table`` metrics by step,
         default ``curves``, and a link to the MLflow run), end the MLflow run."""
-        self._flush_metrics()
+        self.flush_metrics()
         if curves:
             tracking.log_reward_curve(self.run_id, list(curves), plot)
         record = redact(dataclasses.asdict(result))

@@ -87,15 +87,35 @@ print("NODES", sum(1 for n in ray.nodes() if n["Alive"]))
 
 
 def _alive_nodes(address: str, env: dict[str, str]) -> int:
-    out = subprocess.run(
-        [sys.executable, "-c", _COUNT_NODES, address],
+    out = run_on_cluster(_COUNT_NODES, address, env)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("NODES ")]
+    return int(lines[-1].split()[1]) if lines else 0
+
+
+def run_on_cluster(script: str, address: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """``python -c script address`` with ``env``: a driver of its own for the cluster at
+    ``address`` (the test's process may hold another Ray)."""
+    return subprocess.run(
+        [sys.executable, "-c", script, address],
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )
-    lines = [x for x in out.stdout.splitlines() if x.startswith("NODES ")]
-    return int(lines[-1].split()[1]) if lines else 0
+
+
+def run_flowrl(
+    command: str, config: Path, overrides: list[str], env: dict[str, str], timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """``flowrl COMMAND CONFIG --set o …`` as a user runs it, with ``env``; output captured."""
+    flowrl = str(Path(sys.executable).with_name("flowrl"))
+    return subprocess.run(
+        [flowrl, command, str(config), *(a for o in overrides for a in ("--set", o))],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @contextlib.contextmanager

@@ -5,13 +5,13 @@ against its reference player by every evaluation (and by ``rl-train``)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
+from services import run_flowrl
 
 from flowrl.environments.games import PLAY_AS, GameTask, VersusOpponent
 from flowrl.environments.registry import EnvironmentLoadError, load, make_games, make_task
@@ -139,16 +139,8 @@ def test_flowrl_selfplay_trains_the_readme_game(tmp_path):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(EXAMPLE), env.get("PYTHONPATH", "")])
     env["FLOWRL_HOME"] = str(tmp_path / "home")
-    flowrl = Path(sys.executable).with_name("flowrl")
     overrides = ["schedule.steps=6", "schedule.eval_every=6", "schedule.checkpoint_every=6"]
-    done = subprocess.run(
-        [str(flowrl), "selfplay", str(EXAMPLE / "nim.yaml")]
-        + [arg for o in overrides for arg in ("--set", o)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    done = run_flowrl("selfplay", EXAMPLE / "nim.yaml", overrides, env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     import mlflow
 

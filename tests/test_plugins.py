@@ -15,7 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from services import ray_head, start_env_service
+from services import ray_head, run_on_cluster, start_env_service
 
 from flowrl.cli import main
 from flowrl.environments.plugin import TRAIN_SEED_SPACING, PluginTask, play
@@ -309,13 +309,7 @@ def test_a_user_environment_trains_in_every_mode_both_ways_of_naming_it(
                     )
                     assert done.returncode == 0, (name, mode, done.stderr[-3000:])
                     registered[f"{name}/{mode}"] = f"models:/{job}/1" in done.stdout
-            left = subprocess.run(
-                [sys.executable, "-c", ACTORS_LEFT, address],
-                env=env,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
+            left = run_on_cluster(ACTORS_LEFT, address, env)
         import httpx
 
         steps = httpx.get(f"{url}/stats").json()["steps"]

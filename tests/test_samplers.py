@@ -7,8 +7,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -109,13 +107,12 @@ def test_two_samplers_on_two_nodes_of_a_ray_cluster_feed_one_trainer(tmp_path, p
     nodes (the MLflow run's ``node/*`` tags), every step trains on batches at most one update
     old, and the job registers its policy."""
     from prefect.settings import PREFECT_API_URL
-    from services import ray_head, ray_node
+    from services import ray_head, ray_node, run_flowrl
 
     env = dict(os.environ)
     env["FLOWRL_HOME"] = str(tmp_path / "home")
     env.pop("MLFLOW_TRACKING_URI", None)
     env["RAY_AUTH_MODE"] = "token"  # the cluster's token (~/.ray) lets the second node join
-    flowrl = str(Path(sys.executable).with_name("flowrl"))
     overrides = [
         "name=two-samplers",
         "resources.samplers=2",
@@ -128,14 +125,7 @@ def test_two_samplers_on_two_nodes_of_a_ray_cluster_feed_one_trainer(tmp_path, p
     ]
     with ray_head(env, num_cpus=2) as address, ray_node(address, env, num_cpus=2):
         env |= {"FLOWRL_RAY_ADDRESS": address, "PREFECT_API_URL": PREFECT_API_URL.value()}
-        done = subprocess.run(
-            [flowrl, "train", str(REPO / "configs" / "arithmetic.yaml")]
-            + [a for o in overrides for a in ("--set", o)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+        done = run_flowrl("train", REPO / "configs" / "arithmetic.yaml", overrides, env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "models:/two-samplers/1" in done.stdout
     from mlflow import MlflowClient
