@@ -195,6 +195,83 @@ def _shared_prompt_cache(
     return {"past_key_values": cache}
 
 
+def _shared_prefix_logprobs(
+    model: torch.nn.Module,
+    data: list[Datum],
+    b: dict[str, torch.Tensor],
+    temperature: float,
+    unsampled: list[int],
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """``_next_token_logprobs`` at the positions the loss reads, with each distinct prompt run
+    once: the tokens before a row's first loss token but one (its shared prefix) go through
+    the model once per distinct prefix into a KV cache, copied to the rows that repeat it
+    (gradients flow back through the copies); each row then runs only its last prompt token
+    and the rest. A GRPO group's samples share their prompt, so at the default job the trainer
+    computes about a sixth of the tokens. Positions before a row's loss tokens are 0.0. None
+    (compute as usual) when no two rows share a prefix or a prompt is shorter than 2 tokens."""
+    starts = [next((t for t, m in enumerate(d.loss_mask) if m), len(d.tokens)) for d in data]
+    if min(starts) < 2:
+        return None
+    distinct: dict[tuple[int, ...], int] = {}
+    first: list[int] = []
+    index: list[int] = []
+    for i, (d, p) in enumerate(zip(data, starts, strict=True)):
+        slot = distinct.setdefault(tuple(d.tokens[: p - 1]), len(first))
+        if slot == len(first):
+            first.append(i)
+        index.append(slot)
+    if len(first) == len(index):
+        return None
+    from transformers import DynamicCache
+
+    ids, attention = b["ids"], b["attention"]
+    device = ids.device
+    shared = [starts[i] - 1 for i in first]  # prefix lengths, one per distinct prefix
+    width = max(shared)
+    prefix = torch.zeros((len(first), width), dtype=torch.long)
+    prefix_mask = torch.zeros((len(first), width), dtype=torch.long)
+    for u, (i, n) in enumerate(zip(first, shared, strict=True)):  # left padding
+        prefix[u, width - n :] = torch.tensor(data[i].tokens[:n])
+        prefix_mask[u, width - n :] = 1
+    prefix, prefix_mask = prefix.to(device), prefix_mask.to(device)
+    positions = prefix_mask.cumsum(-1) - 1
+    positions.masked_fill_(prefix_mask == 0, 1)
+    q_B = torch.tensor([p - 1 for p in starts], device=device)  # where each row's rest starts
+    lengths_B = attention.sum(-1)
+    rest = int((lengths_B - q_B).max())
+    if rest < 2:  # no row has a token to score
+        return None
+    offsets = torch.arange(rest, device=device)
+    columns_B_S = (q_B.unsqueeze(-1) + offsets).clamp(max=ids.shape[1] - 1)
+    rest_mask = (offsets < (lengths_B - q_B).unsqueeze(-1)).long()
+    rest_ids = ids.gather(1, columns_B_S).masked_fill(rest_mask == 0, 0)
+    cache = DynamicCache(config=model.config)
+    with forward_autocast(dtype, device):
+        model(
+            input_ids=prefix,
+            attention_mask=prefix_mask,
+            position_ids=positions,
+            past_key_values=cache,
+        )
+        cache.reorder_cache(torch.tensor(index, device=device))
+        logits = model(
+            input_ids=rest_ids,
+            attention_mask=torch.cat([prefix_mask[index], rest_mask], dim=1),
+            position_ids=(q_B.unsqueeze(-1) + offsets).masked_fill(rest_mask == 0, 0),
+            past_key_values=cache,
+        ).logits
+    rest_B_S = token_logprobs(
+        _without(logits[:, :-1].float(), unsampled) / temperature, rest_ids[:, 1:]
+    )
+    # Back to the batch's layout: column t holds the log-prob of token t+1, i.e. rest column
+    # t - q; outside [q, length - 1) nothing the loss reads.
+    t_B_T = torch.arange(ids.shape[1] - 1, device=device).expand(len(data), -1)
+    at = (t_B_T - q_B.unsqueeze(-1)).clamp(0, rest - 2)
+    inside = (t_B_T >= q_B.unsqueeze(-1)) & (t_B_T < (lengths_B - 1).unsqueeze(-1))
+    return rest_B_S.gather(1, at).masked_fill(~inside, 0.0)
+
+
 def _unsampled_token_ids(image_inputs: ImageInputs | None) -> list[int]:
     return image_inputs.unsampled_token_ids if image_inputs is not None else []
 
@@ -258,18 +335,15 @@ class TorchTrainer:
         plus ``pixel_values`` of the data's images when any datum has some."""
         width = max(len(d.tokens) for d in data)
         pad = pad_id(self.tokenizer)
-        ids = torch.full((len(data), width), pad, dtype=torch.long)
-        attention = torch.zeros_like(ids)
-        mask = torch.zeros((len(data), width), dtype=torch.float32)
-        old = torch.zeros((len(data), width), dtype=torch.float32)
+
+        def padded(rows: list[list], value: float, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+
+        ids = padded([d.tokens for d in data], pad, torch.long)
+        attention = padded([[1] * len(d.tokens) for d in data], 0, torch.long)
+        mask = padded([d.loss_mask for d in data], 0.0, torch.float32)
+        old = padded([d.old_logprobs or [0.0] * len(d.tokens) for d in data], 0.0, torch.float32)
         has_old = torch.tensor([float(bool(d.old_logprobs)) for d in data])
-        for i, d in enumerate(data):
-            n = len(d.tokens)
-            ids[i, :n] = torch.tensor(d.tokens)
-            attention[i, :n] = 1
-            mask[i, :n] = torch.tensor(d.loss_mask, dtype=torch.float32)
-            if d.old_logprobs:
-                old[i, :n] = torch.tensor(d.old_logprobs, dtype=torch.float32)
         advantages = torch.tensor([d.advantage for d in data], dtype=torch.float32)
         batch = {
             "ids": ids,
@@ -287,6 +361,24 @@ class TorchTrainer:
         return _next_token_logprobs(
             self.model, b, temperature, _unsampled_token_ids(self.image_inputs), self.dtype
         )
+
+    def _loss_logprobs(
+        self, data: list[Datum], b: dict[str, torch.Tensor], temperature: float
+    ) -> torch.Tensor:
+        """``_logprobs`` where the loss reads them (``b["mask"]``); rows that repeat a prompt
+        (a GRPO group) run it once (``_shared_prefix_logprobs``)."""
+        if "pixel_values" not in b:
+            shared = _shared_prefix_logprobs(
+                self.model,
+                data,
+                b,
+                temperature,
+                _unsampled_token_ids(self.image_inputs),
+                self.dtype,
+            )
+            if shared is not None:
+                return shared
+        return self._logprobs(b, temperature)
 
     def forward_backward(
         self,
@@ -311,7 +403,7 @@ class TorchTrainer:
         kl_coef = float(options.pop("kl_coef", 0.0))
         kl_estimator = options.pop("kl_estimator", "k3")
         b = self._batch(data)
-        logprobs_B_T = self._logprobs(b, temperature)
+        logprobs_B_T = self._loss_logprobs(data, b, temperature)
         if loss_fn == "cross_entropy":
             loss = -(logprobs_B_T * b["mask"]).sum() / b["mask"].sum().clamp(min=1)
             metrics: dict[str, float] = {}

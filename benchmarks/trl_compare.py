@@ -82,7 +82,7 @@ def job_config(size: str, overrides: list[str]) -> Any:
 # --------------------------------------------------------------------------- flowrl side
 
 
-def flowrl_side(size: str, steps: int, ahead: int) -> dict[str, Any]:
+def flowrl_side(size: str, steps: int, ahead: int, extra: list[str]) -> dict[str, Any]:
     """The ``rl_train`` flow in this process; stage times from its MLflow metrics."""
     started = time.perf_counter()
     from prefect.client.orchestration import get_client
@@ -101,6 +101,7 @@ def flowrl_side(size: str, steps: int, ahead: int) -> dict[str, Any]:
             f"schedule.off_policy_steps={ahead}",
             f"schedule.eval_every={NEVER}",
             f"schedule.checkpoint_every={NEVER}",
+            *extra,
         ],
     )
     s = get_settings()
@@ -354,10 +355,15 @@ def _brief(result: dict[str, Any]) -> dict[str, Any]:
     return {k: round(result[k], 3) if isinstance(result[k], float) else result[k] for k in keys}
 
 
-def run_size(size: str, steps: int, trl_threads: list[int], home: Path) -> dict[str, Any]:
+def run_size(
+    size: str, steps: int, trl_threads: list[int], home: Path, flowrl_set: list[str]
+) -> dict[str, Any]:
+    extra = [a for o in flowrl_set for a in ("--flowrl-set", o)]
     runs = {
         "flowrl": run_child(
-            f"{size}-flowrl", ["--side", "flowrl", "--size", size, "--steps", str(steps)], home
+            f"{size}-flowrl",
+            ["--side", "flowrl", "--size", size, "--steps", str(steps), *extra],
+            home,
         )
     }
     budget, warm = runs["flowrl"]["train_s"], runs["flowrl"]["warm_model"]
@@ -380,7 +386,7 @@ def run_size(size: str, steps: int, trl_threads: list[int], home: Path) -> dict[
         )
     runs["flowrl-onpolicy"] = run_child(
         f"{size}-flowrl-onpolicy",
-        ["--side", "flowrl-onpolicy", "--size", size, "--steps", str(steps)],
+        ["--side", "flowrl-onpolicy", "--size", size, "--steps", str(steps), *extra],
         home,
     )
     return runs
@@ -660,6 +666,13 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, help="Also write the markdown report here.")
     parser.add_argument("--home", type=Path, help="Folder for all state (default: new temp).")
+    parser.add_argument(
+        "--flowrl-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="A config override for both flowrl sides, after the size's own (repeatable).",
+    )
     # Child-process arguments (one side of one size), set by the parent:
     parser.add_argument("--side", choices=["flowrl", "flowrl-onpolicy", "trl"])
     parser.add_argument("--size", choices=list(SIZES))
@@ -683,7 +696,9 @@ def main() -> None:
         if args.side == "trl":
             result = trl_side(args.size, args.seconds, args.threads, args.warm_model)
         else:
-            result = flowrl_side(args.size, steps, ahead=int(args.side == "flowrl"))
+            result = flowrl_side(
+                args.size, steps, ahead=int(args.side == "flowrl"), extra=args.flowrl_set
+            )
         args.result.write_text(json.dumps(result))
         return
     start = time.perf_counter()
@@ -693,7 +708,8 @@ def main() -> None:
         parser.error("--steps needs one value per size")
     args.trl_threads = sorted(set(args.trl_threads))
     all_runs = {
-        s: run_size(s, n, args.trl_threads, home) for s, n in zip(args.sizes, steps, strict=True)
+        s: run_size(s, n, args.trl_threads, home, args.flowrl_set)
+        for s, n in zip(args.sizes, steps, strict=True)
     }
     (home / "results.json").write_text(json.dumps(all_runs))
     loads.append(" / ".join(f"{x:.1f}" for x in os.getloadavg()))

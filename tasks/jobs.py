@@ -320,6 +320,14 @@ class ResourcesSection(_Section):
         default=0, ge=0, description="GPUs each of the sampler and trainer actors asks Ray for."
     )
     torch_threads: int = Field(default=1, ge=1, le=256, description="torch threads per worker.")
+    trainer_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=256,
+        description="torch threads of the trainer, when it should have more than the samplers "
+        "(e.g. all of a CPU machine's cores: one-step-off's trainer then takes the cores the "
+        "sampler leaves idle); unset = torch_threads. Ray still counts the trainer as 1 CPU.",
+    )
     samplers: int = Field(
         default=1,
         ge=1,
@@ -352,6 +360,7 @@ class ResourcesSection(_Section):
             torch_threads=self.torch_threads,
             dtype=self.dtype,
             samplers=self.samplers,
+            trainer_threads=self.trainer_threads,
         )
 
 

@@ -26,6 +26,7 @@ from flowrl.tasks.common import (
 )
 from flowrl.tasks.jobs import RLJobConfig
 from flowrl.tasks.records import (
+    discard,
     load_data,
     load_trajectories,
     save_data,
@@ -168,7 +169,7 @@ def update(
     if cfg.schedule.off_policy_steps == 0:
         sync_weights(policy)
     synced = time.perf_counter()
-    storage.delete(ctx.step_dir(scored.step))  # the step's records are consumed
+    discard(storage, ctx.step_dir(scored.step))  # the step's records are consumed
     return UpdateResult(
         {f"train/{k}": float(v) for k, v in metrics.items()},
         seconds=time.perf_counter() - start,

@@ -39,11 +39,13 @@ SMALL_RL = {
 def test_warmup_workers_start_with_the_jobs_resources_and_backends(tmp_path, monkeypatch):
     from flowrl.tasks.model import prepare_model, warmup
 
-    started: list[tuple[str, ActorResources, str, str, int]] = []
+    started: list[tuple[str, ActorResources, str, str, int, int | None]] = []
     real_start = actors.start_policy
 
-    def record(name, spec, resources, sampler_backend, trainer_backend, samplers):
-        started.append((name, resources, sampler_backend, trainer_backend, samplers))
+    def record(name, spec, resources, sampler_backend, trainer_backend, samplers, trainer_threads):
+        started.append(
+            (name, resources, sampler_backend, trainer_backend, samplers, trainer_threads)
+        )
         return real_start(name, spec, local=True, samplers=samplers)  # real workers, in-process
 
     monkeypatch.setattr(actors, "start_policy", record)
@@ -55,6 +57,7 @@ def test_warmup_workers_start_with_the_jobs_resources_and_backends(tmp_path, mon
                 "gpus_per_worker": 0.5,
                 "trainer_backend": "torch",
                 "torch_threads": 1,
+                "trainer_threads": 2,
                 "samplers": 2,
             },
         }
@@ -62,8 +65,8 @@ def test_warmup_workers_start_with_the_jobs_resources_and_backends(tmp_path, mon
     ctx = JobContext(cfg.name, str(tmp_path / "s"), str(tmp_path / "c"), "warm-plan-run")
     result = warmup.fn(cfg, ctx, prepare_model.fn(cfg, ctx))
     assert result.steps == 2 and not result.cached
-    assert started == [("warm-plan-run-warmup", ActorResources(1, 0.5), "hf", "torch", 2)]
-    plan = WorkerPlan(ActorResources(1, 0.5), "hf", "torch", 1, samplers=2)
+    assert started == [("warm-plan-run-warmup", ActorResources(1, 0.5), "hf", "torch", 2, 2)]
+    plan = WorkerPlan(ActorResources(1, 0.5), "hf", "torch", 1, samplers=2, trainer_threads=2)
     assert cfg.resources.plan() == plan
 
 

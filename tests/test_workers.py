@@ -171,6 +171,53 @@ def test_a_group_sharing_its_prompt_prefills_it_once_and_samples_the_same(
         torch.testing.assert_close(torch.tensor(result.logprobs), expected, atol=1e-5, rtol=0)
 
 
+def test_a_group_sharing_its_prompt_is_trained_on_one_pass_of_it_with_the_same_gradients(
+    policy, prompts, monkeypatch
+):
+    """The trainer runs a prompt its rows repeat once (KV cache copied to the rows): the loss,
+    the log-probs against the sampler's and every gradient equal those of running each row
+    in full, for a policy loss and for SFT's cross-entropy."""
+    from flowrl.backends import hf_workers
+
+    ref = policy()
+    grouped = [p for p in prompts for _ in range(4)]
+    results = sampler(ref).sample(grouped, MAX_NEW_TOKENS, 1.0, seed=11)
+    data = as_data(grouped, results)
+    data = [Datum(d.tokens, d.loss_mask, (-1.0) ** i, d.old_logprobs) for i, d in enumerate(data)]
+    model = trainer(ref)._target.model
+    rows_run: list[int] = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        rows_run.append(int(kwargs["input_ids"].numel()))
+        return forward(*args, **kwargs)
+
+    def step(loss_fn: str) -> tuple[dict[str, float], list[torch.Tensor]]:
+        metrics = trainer(ref).forward_backward(data, loss_fn)
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return metrics, grads
+
+    for loss_fn in ("ppo_clip", "cross_entropy"):
+        rows_run.clear()
+        model.forward = spy
+        try:
+            shared, shared_grads = step(loss_fn)
+        finally:
+            del model.forward
+        full_tokens = sum(len(d.tokens) for d in data)
+        assert len(rows_run) == 2 and sum(rows_run) < full_tokens  # prefixes once, then the rest
+        with monkeypatch.context() as m:
+            m.setattr(hf_workers, "_shared_prefix_logprobs", lambda *a: None)
+            full, full_grads = step(loss_fn)
+        assert shared.keys() == full.keys()
+        for key in shared:
+            assert shared[key] == pytest.approx(full[key], abs=1e-5), key
+        for a, b in zip(shared_grads, full_grads, strict=True):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    assert full["loss"] != 0.0
+
+
 def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(policy, prompts, tmp_path):
     url, prefix = str(tmp_path / "store"), "job/checkpoints"
     ref = policy()
@@ -246,8 +293,17 @@ def ray_cluster(ray_local) -> None:
 def test_ray_actors_sample_update_sync_and_stop(ray_cluster, model_dir, prompts, tmp_path):
     import ray
 
+    from flowrl.backends.actors import NAMESPACE
+
     spec = WorkerSpec(model_uri=model_dir, cache_dir=str(tmp_path / "cache"))
-    ref = start_policy("test-workers-ray", spec, local=False)
+    ref = start_policy("test-workers-ray", spec, local=False, trainer_threads=2)
+    # The trainer runs 2 torch threads, the sampler 1; idle OpenMP threads sleep, not spin.
+    for name, threads in ((ref.sampler, "1"), (ref.trainer, "2")):
+        _, pid = ray.get(ray.get_actor(name, namespace=NAMESPACE).where.remote())
+        environ = dict(
+            v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if v
+        )
+        assert (environ["OMP_NUM_THREADS"], environ["OMP_WAIT_POLICY"]) == (threads, "PASSIVE")
     results = sampler(ref).sample(prompts, MAX_NEW_TOKENS, 1.0, seed=0)
     assert update(ref, as_data(prompts, results, advantage=1.0))["weights_version"] == 1
     assert sync_weights(ref) == 1
