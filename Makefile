@@ -30,7 +30,7 @@ bench: setup
 	$(BIN)/python benchmarks/step_time.py --out docs/benchmarks/step_time.md
 
 bench-trl: setup
-	$(BIN)/python benchmarks/trl_compare.py --trl-threads 1 2 --out docs/benchmarks.md
+	$(BIN)/python benchmarks/trl_compare.py --trl-threads 1 2 --flowrl-set resources.trainer_threads=2 --out docs/benchmarks.md
 
 clean:
 	rm -rf .flowrl

@@ -213,6 +213,13 @@ class JobRun:
         self._logged = [f for f in self._logged if not f.done() or f.exception() is not None]
         self._logged.append(self._metrics.submit(tracking.log_metrics, self.run_id, metrics, step))
 
+    def log_json(self, payload: Any, artifact_file: str) -> None:
+        """Write ``payload`` as a JSON artifact of the MLflow run, in the background like
+        ``log``."""
+        self._logged.append(
+            self._metrics.submit(tracking.log_json, self.run_id, payload, artifact_file)
+        )
+
     def flush_metrics(self, raise_errors: bool = True) -> None:
         """Wait until every metric logged so far is in MLflow, raising the first write error
         (before a checkpoint commits: a job killed after it resumes without losing the

@@ -15,7 +15,6 @@ from prefect import flow, get_run_logger
 
 from flowrl.flows.lifecycle import JobRun, StepClock, due, task_runner
 from flowrl.flows.rollouts import RolloutStream, step_times
-from flowrl.infra import tracking
 from flowrl.tasks.jobs import RLJobConfig
 from flowrl.tasks.model import prepare_model, register, warmup
 from flowrl.tasks.rl import checkpoint, evaluate, restore, rollout, score, update
@@ -72,7 +71,7 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
             times = step_times(clock.lap(), scored, updated, settled)
             job.log(scored.metrics | updated.metrics | times, step + 1)
             if step % 10 == 0 and scored.samples:
-                tracking.log_json(job.run_id, scored.samples, f"samples/step-{step + 1:05d}.json")
+                job.log_json(scored.samples, f"samples/step-{step + 1:05d}.json")
             job.advance(step + 1, reward=scored.metrics.get("reward/mean", 0.0))
             if due(step, config.schedule.steps, config.schedule.eval_every):
                 result = evaluate.submit(config, job.ctx, warm.model_uri, policy).result()

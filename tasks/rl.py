@@ -138,6 +138,7 @@ def update(
     start = time.perf_counter()
     storage = Storage(ctx.storage_url)
     if scored.data is None:
+        discard(storage, ctx.step_dir(scored.step))
         return UpdateResult({"train/skipped": 1.0}, time.perf_counter() - start)
     worker = trainer(policy)
     staleness = _staleness(cfg, worker, scored)

@@ -4,8 +4,10 @@ weight sync the sampler's log-probs of what it sampled equal the trainer's."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -269,8 +271,9 @@ def test_geometry_episode_trains_on_exactly_the_sampled_tokens(policy, chat, tmp
 
     data = [Datum(t.tokens, t.loss_mask, 0.0, t.logprobs, t.images) for t in trajectories]
     storage = Storage(str(tmp_path))
-    save_trajectories(storage, "t.json", trajectories)
-    save_data(storage, "d.json", data)
+    with _records_to_storage():
+        save_trajectories(storage, "t.json", trajectories)
+        save_data(storage, "d.json", data)
     assert load_trajectories(storage, "t.json") == trajectories  # images survive as base64
     assert load_data(storage, "d.json") == data
     for traj, row in zip(trajectories, trainer(ref).compute_logprobs(data), strict=True):
@@ -316,5 +319,20 @@ def test_sft_datum_carries_the_images_in_the_agent_loops_layout(chat):
 def test_trajectories_without_images_are_unchanged_on_disk(tmp_path):
     storage = Storage(str(tmp_path))
     plain = Trajectory("e", 0, tokens=[1, 2], loss_mask=[0, 1], logprobs=[0.0, -0.5])
-    save_trajectories(storage, "t.json", [plain])
+    with _records_to_storage():
+        save_trajectories(storage, "t.json", [plain])
     assert load_trajectories(storage, "t.json") == [plain]
+
+
+@contextlib.contextmanager
+def _records_to_storage() -> Iterator[None]:
+    """Records saved meanwhile go to storage at once (as past the memory bound), so the
+    loads read them back from their JSON."""
+    from flowrl.tasks import records
+
+    bound = records.MEMO_ENTRIES
+    records.MEMO_ENTRIES = 0
+    try:
+        yield
+    finally:
+        records.MEMO_ENTRIES = bound
