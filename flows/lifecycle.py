@@ -33,6 +33,11 @@ from flowrl.infra.storage import Storage
 from flowrl.tasks.jobs import JobConfig
 from flowrl.tasks.types import JobContext
 
+METRIC_WRITE_STEPS = 10
+"""``JobRun.log`` writes to MLflow once this many steps' metrics are waiting ..."""
+METRIC_WRITE_SECONDS = 2.0
+"""... or once the oldest has waited this long (checked when the next step logs)."""
+
 
 class RayStageRunner(ThreadPoolTaskRunner):
     """Prefect's thread-pool runner on a Ray driver: each stage is a Prefect task run in the
@@ -116,9 +121,12 @@ class JobRun:
         self._exits = contextlib.ExitStack()
         self._progress: tuple[Any, int] | None = None
         self._bar: tqdm | None = None
-        # Metrics reach MLflow from one background thread, in order, off the step's path.
+        # Metrics reach MLflow from one background thread, in order, off the step's path, a
+        # few steps per write (one transaction each; SQLite's cost is per write, not per value).
         self._metrics = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-metrics")
         self._logged: list[Future] = []
+        self._unsent: list[tuple[dict[str, float], int]] = []
+        self._unsent_since = 0.0
 
     def __enter__(self) -> JobRun:
         get_settings().apply_to_environment()
@@ -208,10 +216,22 @@ class JobRun:
     # ------------------------------------------------------------------------- records
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        """Log ``metrics`` at ``step`` to the MLflow run, asynchronously (in order); they are
-        all written before the run finishes or fails."""
+        """Log ``metrics`` at ``step`` to the MLflow run, asynchronously and in order: written
+        every ``METRIC_WRITE_STEPS`` calls or ``METRIC_WRITE_SECONDS``, whichever comes first,
+        and all of them before a checkpoint (``flush_metrics``) and before the run finishes or
+        fails."""
+        if not self._unsent:
+            self._unsent_since = time.monotonic()
+        self._unsent.append((metrics, step))
+        due = time.monotonic() - self._unsent_since >= METRIC_WRITE_SECONDS
+        if due or len(self._unsent) >= METRIC_WRITE_STEPS:
+            self._send_metrics()
+
+    def _send_metrics(self) -> None:
         self._logged = [f for f in self._logged if not f.done() or f.exception() is not None]
-        self._logged.append(self._metrics.submit(tracking.log_metrics, self.run_id, metrics, step))
+        if self._unsent:
+            rows, self._unsent = self._unsent, []
+            self._logged.append(self._metrics.submit(tracking.log_metric_rows, self.run_id, rows))
 
     def log_json(self, payload: Any, artifact_file: str) -> None:
         """Write ``payload`` as a JSON artifact of the MLflow run, in the background like
@@ -224,6 +244,7 @@ class JobRun:
         """Wait until every metric logged so far is in MLflow, raising the first write error
         (before a checkpoint commits: a job killed after it resumes without losing the
         metrics of the steps it keeps)."""
+        self._send_metrics()
         logged, self._logged = self._logged, []
         errors = [e for e in (f.exception() for f in logged) if e is not None]
         if errors and raise_errors:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.utilities.annotations import quote
 
 from flowrl.flows.lifecycle import JobRun, StepClock, due, task_runner
 from flowrl.flows.rollouts import RolloutStream, step_times
@@ -56,8 +57,11 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
             start_eval = evaluate.submit(config, job.ctx, warm.model_uri, policy).result()
             acc_start = start_eval.accuracy
             job.log(start_eval.metrics(), step=0)
+        # The per-step stages get the config and context quoted: Prefect does not walk them
+        # looking for futures on every submit (~1 ms a task run at the default job).
+        cfg, ctx = quote(config), quote(job.ctx)
         rollouts = RolloutStream(
-            lambda step, at: rollout.submit(config, job.ctx, warm.model_uri, policy, step, at),
+            lambda step, at: rollout.submit(cfg, ctx, warm.model_uri, policy, step, at),
             cursor,
             ahead=config.schedule.off_policy_steps,
             total_steps=config.schedule.steps,
@@ -65,8 +69,8 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
         clock = StepClock()
         for step in job.steps(start, config.schedule.steps):
             batch = rollouts.take(step)  # off_policy_steps 1: starts step + 1's rollout too
-            scored = score.submit(config, job.ctx, policy, batch).result()
-            updated = update.submit(config, job.ctx, policy, scored).result()
+            scored = score.submit(cfg, ctx, policy, quote(batch)).result()
+            updated = update.submit(cfg, ctx, policy, quote(scored)).result()
             settled = rollouts.settle(policy)  # then eval and checkpoints see no rollout running
             times = step_times(clock.lap(), scored, updated, settled)
             job.log(scored.metrics | updated.metrics | times, step + 1)

@@ -118,10 +118,22 @@ def start_run(
     return run.info.run_id
 
 
+MAX_METRICS_PER_BATCH = 1000
+"""MLflow's limit on the metrics of one ``log_batch`` call."""
+
+
 def log_metrics(run_id: str, metrics: dict[str, float], step: int) -> None:
     now = int(time.time() * 1000)
     batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
     client().log_batch(run_id, metrics=batch)
+
+
+def log_metric_rows(run_id: str, rows: list[tuple[dict[str, float], int]]) -> None:
+    """Several steps' metrics, ``[(metrics, step), …]``, in as few writes as MLflow allows."""
+    now = int(time.time() * 1000)
+    batch = [Metric(k, float(v), now, step) for metrics, step in rows for k, v in metrics.items()]
+    for i in range(0, len(batch), MAX_METRICS_PER_BATCH):
+        client().log_batch(run_id, metrics=batch[i : i + MAX_METRICS_PER_BATCH])
 
 
 def log_series(run_id: str, name: str, values: list[float], first_step: int) -> None:

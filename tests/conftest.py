@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -54,6 +55,19 @@ SLOW_MODULES = (
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(SLOW_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable within a module
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """With ``FLOWRL_TEST_TIMELINE=<folder>``: one line per test (worker, start, end, test id)
+    in ``<folder>/<worker>.tsv``, to see how the modules pack onto the xdist workers."""
+    folder = os.environ.get("FLOWRL_TEST_TIMELINE")
+    start = time.time()
+    yield
+    if folder:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(os.path.join(folder, f"{worker}.tsv"), "a") as f:
+            f.write(f"{worker}\t{start:.2f}\t{time.time():.2f}\t{item.nodeid}\n")
 
 
 # ---------------------------------------------------------------------------- S3 (moto)
