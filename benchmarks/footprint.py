@@ -137,7 +137,7 @@ def report(runs: list[tuple[float, float, TreePeak]], steps: int, loads: list[st
         f"{loads[0]}, at the end {loads[1]}; shared with other work: compare within this file",
         f"- software: torch {torch.__version__}, prefect {prefect.__version__}, ray "
         f"{ray.__version__}, mlflow {mlflow.__version__}",
-        "- job: `flowrl train configs/arithmetic.yaml` (64 prompts × 8 samples, one-step-off) "
+        "- job: `flowrl train configs/arithmetic.yaml` (64 prompts × 8 samples, on-policy) "
         f"with {steps} RL steps, warm-up cached, a fresh job name per run; embedded engines "
         "(ephemeral Prefect API, local Ray, MLflow on SQLite)",
         "",
