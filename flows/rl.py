@@ -87,6 +87,7 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
         final = evaluate.submit(config, job.ctx, warm.model_uri, policy).result()
         metrics = final.metrics("final")
         job.log(metrics, config.schedule.steps)
+        job.flush_metrics()  # the version links the run's own points of these metrics
         registered = register.submit(
             config, job.ctx, policy, job.run_id, metrics, base_uri
         ).result()

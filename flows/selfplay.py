@@ -64,6 +64,7 @@ def self_play(config: SelfPlayJobConfig = SelfPlayJobConfig()) -> SelfPlayResult
             if due(step, config.schedule.steps, config.schedule.eval_every, at_end=True):
                 job.log(_evaluate(config, job, model_uri, refs, by_agent), step + 1)
         final = _evaluate(config, job, model_uri, refs, by_agent)
+        job.flush_metrics()  # the versions link the run's own points of their metrics
         uris = {}
         for o in owners:
             checkpoint.submit(config, ctxs[o], refs[o], config.schedule.steps, {}).result()

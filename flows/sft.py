@@ -49,6 +49,7 @@ def sft_train(config: SFTJobConfig) -> SFTResult:
             last = evaluate_exact_match.submit(config, job.ctx, base_uri, policy, data).result()
             job.log(last.metrics(), step + n)
             job.advance(step + n, exact_match=last.exact_match)
+        job.flush_metrics()  # the version links the run's own points of these metrics
         registered = register.submit(
             config, job.ctx, policy, job.run_id, last.metrics(), base_uri
         ).result()
