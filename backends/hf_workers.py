@@ -174,25 +174,39 @@ def _shared_prompt_cache(
     share theirs): every distinct prompt but its last token is prefilled once, and the KV
     cache is copied to the rows that repeat it, so ``generate`` only runs the last prompt token
     and the new ones. Empty (prefill as usual) when every prompt is distinct."""
-    distinct: dict[tuple[int, ...], int] = {}
+    first, index = _distinct_rows([tuple(row) for row in ids_B_T.tolist()])
+    if len(first) == len(index) or ids_B_T.shape[1] < 2:
+        return {}
+    cache = _prefilled_cache(model, ids_B_T[first, :-1], attention_B_T[first, :-1], index)
+    return {"past_key_values": cache}
+
+
+def _distinct_rows(rows: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
+    """(the first row of each distinct value, each row's distinct slot)."""
+    slots: dict[tuple[int, ...], int] = {}
     first: list[int] = []
     index: list[int] = []
-    for i, row in enumerate(ids_B_T.tolist()):
-        slot = distinct.setdefault(tuple(row), len(first))
+    for i, row in enumerate(rows):
+        slot = slots.setdefault(row, len(first))
         if slot == len(first):
             first.append(i)
         index.append(slot)
-    if len(first) == len(index) or ids_B_T.shape[1] < 2:
-        return {}
+    return first, index
+
+
+def _prefilled_cache(
+    model: torch.nn.Module, ids_U_P: torch.Tensor, mask_U_P: torch.Tensor, index: list[int]
+) -> Any:
+    """A ``DynamicCache`` of the left-padded distinct prefixes ``ids_U_P``, copied to the rows
+    (row i holds prefix ``index[i]``); gradients flow back through the copies when enabled."""
     from transformers import DynamicCache
 
-    prefix, mask = ids_B_T[first, :-1], attention_B_T[first, :-1]
-    positions = mask.long().cumsum(-1) - 1  # as generate numbers left-padded rows
-    positions.masked_fill_(mask == 0, 1)
+    positions = mask_U_P.long().cumsum(-1) - 1  # as generate numbers left-padded rows
+    positions.masked_fill_(mask_U_P == 0, 1)
     cache = DynamicCache(config=model.config)
-    model(input_ids=prefix, attention_mask=mask, position_ids=positions, past_key_values=cache)
-    cache.reorder_cache(torch.tensor(index, device=ids_B_T.device))
-    return {"past_key_values": cache}
+    model(input_ids=ids_U_P, attention_mask=mask_U_P, position_ids=positions, past_key_values=cache)
+    cache.reorder_cache(torch.tensor(index, device=ids_U_P.device))
+    return cache
 
 
 def _shared_prefix_logprobs(
@@ -213,18 +227,11 @@ def _shared_prefix_logprobs(
     starts = [next((t for t, m in enumerate(d.loss_mask) if m), len(d.tokens)) for d in data]
     if min(starts) < 2:
         return None
-    distinct: dict[tuple[int, ...], int] = {}
-    first: list[int] = []
-    index: list[int] = []
-    for i, (d, p) in enumerate(zip(data, starts, strict=True)):
-        slot = distinct.setdefault(tuple(d.tokens[: p - 1]), len(first))
-        if slot == len(first):
-            first.append(i)
-        index.append(slot)
+    first, index = _distinct_rows(
+        [tuple(d.tokens[: p - 1]) for d, p in zip(data, starts, strict=True)]
+    )
     if len(first) == len(index):
         return None
-    from transformers import DynamicCache
-
     ids, attention = b["ids"], b["attention"]
     device = ids.device
     shared = [starts[i] - 1 for i in first]  # prefix lengths, one per distinct prefix
@@ -235,8 +242,6 @@ def _shared_prefix_logprobs(
         prefix[u, width - n :] = torch.tensor(data[i].tokens[:n])
         prefix_mask[u, width - n :] = 1
     prefix, prefix_mask = prefix.to(device), prefix_mask.to(device)
-    positions = prefix_mask.cumsum(-1) - 1
-    positions.masked_fill_(prefix_mask == 0, 1)
     q_B = torch.tensor([p - 1 for p in starts], device=device)  # where each row's rest starts
     lengths_B = attention.sum(-1)
     rest = int((lengths_B - q_B).max())
@@ -246,15 +251,8 @@ def _shared_prefix_logprobs(
     columns_B_S = (q_B.unsqueeze(-1) + offsets).clamp(max=ids.shape[1] - 1)
     rest_mask = (offsets < (lengths_B - q_B).unsqueeze(-1)).long()
     rest_ids = ids.gather(1, columns_B_S).masked_fill(rest_mask == 0, 0)
-    cache = DynamicCache(config=model.config)
     with forward_autocast(dtype, device):
-        model(
-            input_ids=prefix,
-            attention_mask=prefix_mask,
-            position_ids=positions,
-            past_key_values=cache,
-        )
-        cache.reorder_cache(torch.tensor(index, device=device))
+        cache = _prefilled_cache(model, prefix, prefix_mask, index)
         logits = model(
             input_ids=rest_ids,
             attention_mask=torch.cat([prefix_mask[index], rest_mask], dim=1),

@@ -123,9 +123,7 @@ MAX_METRICS_PER_BATCH = 1000
 
 
 def log_metrics(run_id: str, metrics: dict[str, float], step: int) -> None:
-    now = int(time.time() * 1000)
-    batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
-    client().log_batch(run_id, metrics=batch)
+    log_metric_rows(run_id, [(metrics, step)])
 
 
 def log_metric_rows(run_id: str, rows: list[tuple[dict[str, float], int]]) -> None:

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import pickle
-import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from faults import OutageProxy
 
 from flowrl.infra.storage import (
     CheckpointError,
@@ -246,80 +245,18 @@ def test_checkpoint_commit_survives_paused_s3_endpoint(
 
 
 def test_write_survives_s3_endpoint_restart(moto_s3, caplog: pytest.LogCaptureFixture) -> None:
-    """The endpoint is down for 2 s (connection refused, open connections cut), then back on
-    the same port. The endpoint is a forwarder to moto, so the bucket outlives the outage (a
-    restarted moto would come back empty for a moment before its bucket is re-created)."""
-    with _Endpoint(moto_s3.server.port) as endpoint:
-        options = {**FAST_S3, "client_kwargs": {"endpoint_url": endpoint.url}}
+    """The endpoint goes down for 2 s as the write arrives (connection refused, open
+    connections cut), then is back on the same port. The endpoint is a proxy to moto
+    (``faults.OutageProxy``), so the bucket outlives the outage (a restarted moto would come
+    back empty for a moment before its bucket is re-created)."""
+    upstream = ("127.0.0.1", moto_s3.server.port)
+    with OutageProxy(upstream, trigger="after-restart.json", outage_s=2.0) as endpoint:
+        options = {**FAST_S3, "client_kwargs": {"endpoint_url": endpoint.endpoint_url}}
         storage = Storage(moto_s3.url, storage_options=options, retry_seconds=15, upload_timeout=1)
-        storage.write_json("before.json", {"ok": True})  # a kept-alive connection to cut
-        endpoint.down()
-        restart = threading.Timer(2.0, endpoint.up)
-        restart.start()
-        try:
-            storage.write_json("after-restart.json", {"ok": True})
-        finally:
-            restart.join()
+        storage.write_json("after-restart.json", {"ok": True})
+        assert endpoint.outage is not None
         assert "EndpointConnectionError" in caplog.text
         assert json.loads(storage.read_bytes("after-restart.json")) == {"ok": True}
-
-
-class _Endpoint:
-    """A TCP forwarder on a port of its own to moto's port: ``down()`` closes its listening
-    socket and every open connection, ``up()`` listens on the same port again."""
-
-    def __init__(self, target_port: int):
-        self.target = ("127.0.0.1", target_port)
-        self._lock = threading.Lock()
-        self._open: list[socket.socket] = []
-        self._listener = self._listen(0)
-        self.port = self._listener.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-
-    def __enter__(self) -> _Endpoint:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.down()
-
-    def _listen(self, port: int) -> socket.socket:
-        listener = socket.socket()
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(("127.0.0.1", port))
-        listener.listen(16)
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
-        return listener
-
-    def up(self) -> None:
-        self._listener = self._listen(self.port)
-
-    def down(self) -> None:
-        with self._lock:
-            doomed, self._open = [self._listener, *self._open], []
-        for sock in doomed:
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-            sock.close()
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return  # closed by down()
-            server = socket.create_connection(self.target)
-            with self._lock:
-                self._open += [client, server]
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        with contextlib.suppress(OSError):
-            while chunk := source.recv(65536):
-                sink.sendall(chunk)
-        with contextlib.suppress(OSError):
-            sink.shutdown(socket.SHUT_WR)
 
 
 def test_missing_bucket_fails_at_once(moto_s3) -> None:
