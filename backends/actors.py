@@ -7,6 +7,7 @@ when a ``PolicyRef`` is started with ``local=True`` (benchmarks, notebooks witho
 
 from __future__ import annotations
 
+import gc
 import importlib
 import os
 import time
@@ -53,10 +54,23 @@ class _Worker:
     called through ``call`` (``_Proxy`` hides that)."""
 
     def __init__(self, backend: str, spec: WorkerSpec):
+        self._backend = backend
         self._impl = backend_class(backend)(spec)
 
     def call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._impl, verb)(*args, **kwargs)
+
+    def restart(self, spec: WorkerSpec) -> bool:
+        """Build the backend again from ``spec`` in this process, as a new worker would (its
+        imports stay: a policy's next job needs no new process). False, leaving the worker as
+        it is, for a backend that cannot be built twice in one process (``restartable``)."""
+        cls = backend_class(self._backend)
+        if not getattr(cls, "restartable", False):
+            return False
+        self._impl = None  # the old model's memory is free before the new one loads
+        gc.collect()
+        self._impl = cls(spec)
+        return True
 
     def where(self) -> tuple[str, int]:
         """(Ray node id, process id) of this worker."""
@@ -125,6 +139,13 @@ class WorkerPlan:
             trainer_threads=self.trainer_threads,
         )
 
+    def adopt(self, ref: PolicyRef, spec: WorkerSpec) -> bool:
+        """Restart the running workers of ``ref`` (started with this plan, e.g. by warm-up)
+        from ``spec`` instead of starting new ones: the same processes, built again as
+        ``start`` would build them. False (nothing changed) when a backend cannot restart."""
+        spec = spec.model_copy(update={"torch_threads": self.torch_threads, "dtype": self.dtype})
+        return restart_policy(ref, spec, trainer_threads=self.trainer_threads)
+
 
 class _Proxy:
     """Calls a worker's verbs synchronously, whether it is a Ray actor or a local object."""
@@ -192,9 +213,9 @@ def start_policy(
     trainer_path = _pick(TRAINER_BACKENDS, trainer_backend, "trainer")
     names = tuple(f"{name}-sampler" + (f"-{i}" if i else "") for i in range(samplers))
     ref = PolicyRef(samplers=names, trainer=f"{name}-trainer", local=local)
-    trainer_spec = spec.model_copy(update={"torch_threads": trainer_threads or spec.torch_threads})
-    workers = [*((SamplerWorker, sampler_path, n, spec) for n in names)]
-    workers.append((TrainerWorker, trainer_path, ref.trainer, trainer_spec))
+    specs = _worker_specs(ref, spec, trainer_threads)
+    workers = [*((SamplerWorker, sampler_path, n, specs[n]) for n in names)]
+    workers.append((TrainerWorker, trainer_path, ref.trainer, specs[ref.trainer]))
     if local:
         _LOCAL_WORKERS.update({n: backend_class(path)(s) for _, path, n, s in workers})
         return ref
@@ -218,6 +239,37 @@ def start_policy(
     ray.get([h.__ray_ready__.remote() for h in handles.values()])
     _OWNED_ACTORS.update(handles)
     return ref
+
+
+def _worker_specs(
+    ref: PolicyRef, spec: WorkerSpec, trainer_threads: int | None
+) -> dict[str, WorkerSpec]:
+    """Each worker's spec by name: the trainer may run its own number of torch threads."""
+    trainer_spec = spec.model_copy(update={"torch_threads": trainer_threads or spec.torch_threads})
+    return dict.fromkeys(ref.samplers, spec) | {ref.trainer: trainer_spec}
+
+
+def restart_policy(ref: PolicyRef, spec: WorkerSpec, trainer_threads: int | None = None) -> bool:
+    """Build every worker of the running policy ``ref`` again from ``spec``, in the processes
+    it has (``start_policy``'s specs); the workers hold the new weights when it returns. False
+    when a backend cannot restart (``restartable``): then the caller stops the policy and
+    starts a new one (a worker that did restart holds the new spec, unused)."""
+    specs = _worker_specs(ref, spec, trainer_threads)
+    names = [*ref.samplers, ref.trainer]
+    if ref.local:
+        return all(_restart_local(name, specs[name]) for name in names)
+    handles = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
+    return all(ray.get([h.restart.remote(specs[n]) for h, n in zip(handles, names, strict=True)]))
+
+
+def _restart_local(name: str, spec: WorkerSpec) -> bool:
+    cls = type(_LOCAL_WORKERS[name])
+    if not getattr(cls, "restartable", False):
+        return False
+    _LOCAL_WORKERS[name] = None
+    gc.collect()
+    _LOCAL_WORKERS[name] = cls(spec)
+    return True
 
 
 def _threads_environment(spec: WorkerSpec) -> dict[str, str]:

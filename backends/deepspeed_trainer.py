@@ -77,6 +77,9 @@ class DeepSpeedTrainer(TorchTrainer):
     """
 
     zero_stage = 2
+    restartable = False
+    """A DeepSpeed engine holds its process's distributed state: a new job's trainer is a new
+    process."""
 
     def __init__(self, spec: WorkerSpec):
         import deepspeed

@@ -89,6 +89,9 @@ class HFSampler:
     """Batched sampling with HF ``generate``, returning token ids and float32 log-probs;
     weights and activations in ``spec.dtype`` (``backends.precision``)."""
 
+    restartable = True
+    """Built again in its process from a new spec, it is a new sampler (``actors``)."""
+
     def __init__(self, spec: WorkerSpec):
         self.spec = spec
         self.device = _device(spec)
@@ -310,6 +313,9 @@ class TorchTrainer:
     """AdamW on all weights or on a LoRA adapter; losses chosen by name. Master weights and
     optimiser state are float32; with ``spec.dtype`` bfloat16 the forward pass autocasts
     (``backends.precision``)."""
+
+    restartable = True
+    """Built again in its process from a new spec, it is a new trainer (``actors``)."""
 
     def __init__(self, spec: WorkerSpec):
         self.spec = spec

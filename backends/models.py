@@ -291,6 +291,8 @@ def load_causal_lm(path: str, dtype: torch.dtype | None = None) -> PreTrainedMod
 
 _MLFLOW_SCHEMES = ("models:/", "runs:/")
 _COMPLETE_MARKER = ".flowrl-complete"
+CACHE_BOOKKEEPING = (_COMPLETE_MARKER,)
+"""Files the model cache adds to a model folder (left out when a cached model is copied)."""
 
 
 def resolve_model_uri(uri: str, cache_dir: str) -> str:
@@ -355,6 +357,23 @@ def _cache_slot(cache_dir: Path, key: str) -> Path:
     return cache_dir / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def tiny_model_slot(cache_dir: str, key: str) -> Path:
+    """Where ``cached_tiny_model`` keeps the tiny model whose spec hashes to ``key``."""
+    return Path(cache_dir) / f"tiny-{key}"
+
+
+def cached_tiny_model(slot: Path) -> Path | None:
+    """The complete tiny model at ``slot``, or None when it has not been built there."""
+    return slot if (slot / _COMPLETE_MARKER).exists() else None
+
+
+def build_tiny_model_once(spec: TinyModelSpec, slot: Path) -> Path:
+    """``build_tiny_model(spec)`` into ``slot`` of a model cache, unless a complete build is
+    there (it is the same: the weights depend only on the spec). Two processes building the
+    same slot at once both finish, and one build is kept."""
+    return _fill_once(slot, lambda tmp: build_tiny_model(spec, str(tmp)))
+
+
 def _fill_once(slot: Path, fill: Any) -> Path:
     """Run ``fill(tmp_dir)`` and move the result to ``slot``, unless a complete copy is there."""
     if (slot / _COMPLETE_MARKER).exists():
@@ -386,16 +405,31 @@ def _download_fsspec(uri: str, cache_dir: Path) -> Path:
     if not fs.isdir(root):
         raise FileNotFoundError(f"no model folder at {uri!r}")
     root = root.rstrip("/")
+    listing = fs.find(root, detail=True)
 
     def fill(tmp: Path) -> None:
         # find() + get_file() per file avoids fsspec's trailing-slash rules for recursive get.
-        for remote in fs.find(root):
+        for remote in listing:
             relative = remote[len(root) :].lstrip("/")
             target = tmp / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             fs.get_file(remote, str(target))
 
-    return _fill_once(_cache_slot(cache_dir, uri), fill)
+    # Keyed by the URI and what is there now: a model written again at the same URI is copied
+    # again, never served stale from the cache (which every home on a machine may share).
+    version = sorted(
+        (name, info.get("size"), _file_version(info)) for name, info in listing.items()
+    )
+    return _fill_once(_cache_slot(cache_dir, json.dumps([uri, version], default=str)), fill)
+
+
+def _file_version(info: dict[str, Any]) -> Any:
+    """What changes when a file is written again, from an fsspec listing entry (S3's ETag,
+    else a modification time)."""
+    for key in ("ETag", "etag", "LastModified", "last_modified", "mtime", "updated", "created"):
+        if info.get(key) is not None:
+            return info[key]
+    return None
 
 
 def _download_mlflow(uri: str, cache_dir: Path) -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,6 +19,8 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.exceptions import MissingContextError
+from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 from tqdm import tqdm
@@ -169,18 +172,33 @@ class JobRun:
 
     # ------------------------------------------------------------------------- workers
 
-    def start_policy(self, model_uri: str, name: str | None = None) -> PolicyRef:
+    def start_policy(
+        self, model_uri: str, name: str | None = None, adopt: PolicyRef | None = None
+    ) -> PolicyRef:
         """Start a policy's workers with the job's resources, backends and optimiser settings
-        (named ``name``, default the run name); they are stopped when the run ends. The Ray
-        node of each is a tag of the MLflow run (``node/sampler-0``, ``node/trainer``)."""
+        (named ``name``, default the run name); they are stopped when the run ends. With
+        ``adopt`` (warm-up's running workers, ``WarmupResult.workers``) those workers are
+        restarted from ``model_uri`` instead, in their processes, as new ones would start;
+        where a backend cannot restart they are stopped and new ones start. The Ray node of
+        each is a tag of the MLflow run (``node/sampler-0``, ``node/trainer``)."""
         spec = WorkerSpec(
             model_uri=model_uri,
             cache_dir=self.ctx.cache_dir,
             seed=self.config.seed,
             **self.config.worker_settings(),
         )
-        policy = self.config.resources.plan().start(name or self.ctx.run_name, spec)
-        self._policies.append(policy)
+        plan = self.config.resources.plan()
+        policy = None
+        if adopt is not None:
+            self._policies.append(adopt)  # stopped with the run, whatever happens next
+            if plan.adopt(adopt, spec):
+                policy = adopt
+                _log(f"policy workers: warm-up's, restarted from {model_uri}")
+            else:
+                stop_policy(adopt)
+        if policy is None:
+            policy = plan.start(name or self.ctx.run_name, spec)
+            self._policies.append(policy)
         prefix = f"{name}/" if name else ""
         nodes = worker_nodes(policy)
         tags = {f"node/{prefix}trainer": nodes[policy.trainer]}
@@ -314,3 +332,11 @@ class StepClock:
         now = time.perf_counter()
         wall, self.last = now - self.last, now
         return wall
+
+
+def _log(message: str) -> None:
+    """``message`` in the flow run's log (what the Prefect UI shows), else this process's."""
+    try:
+        get_run_logger().info(message)
+    except MissingContextError:
+        logging.getLogger("flowrl").info(message)

@@ -45,12 +45,13 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
     with JobRun(config, resume=True) as job:
         # Every stage is submitted to the task runner: each runs as a Ray task on the cluster.
         base_uri = prepare_model.submit(config, job.ctx).result()
-        warm = warmup.submit(config, job.ctx, base_uri).result()
+        # A warm-up that ran hands over its workers: RL restarts them, no new processes.
+        warm = warmup.submit(config, job.ctx, base_uri, keep_workers=True).result()
         if warm.skipped:
             logger.info("warm-up skipped: %s", warm.skipped)
         else:
             logger.info("warm-up: %s", warm)
-        policy = job.start_policy(warm.model_uri)
+        policy = job.start_policy(warm.model_uri, adopt=warm.workers)
         resumed = restore.submit(job.ctx, policy).result()
         start, cursor, acc_start = resume_point(resumed)
         if acc_start is None:

@@ -43,10 +43,13 @@ def self_play(config: SelfPlayJobConfig = SelfPlayJobConfig()) -> SelfPlayResult
     logger = get_run_logger()
     with JobRun(config, resume=True) as job:
         base_uri = prepare_model.submit(config, job.ctx).result()
-        model_uri = warmup.submit(config, job.ctx, base_uri).result().model_uri
+        warm = warmup.submit(config, job.ctx, base_uri, keep_workers=True).result()
+        model_uri = warm.model_uri
         owners = trained_policies(config)
         ctxs = {o: agent_context(job.ctx, o) for o in owners}
-        refs = {o: job.start_policy(model_uri, ctxs[o].run_name) for o in owners}
+        # The first policy restarts the warm-up's workers (if it ran); the others start anew.
+        adopt = dict.fromkeys(owners[:1], warm.workers)
+        refs = {o: job.start_policy(model_uri, ctxs[o].run_name, adopt.get(o)) for o in owners}
         by_agent = {a: refs["shared" if config.shared_policy else a] for a in config.agents}
         for step in job.steps(0, config.schedule.steps):
             # Barrier 1: the rollout phase (every game of every agent) ends before any update.

@@ -61,6 +61,12 @@ class Settings(BaseSettings):
         default=None,
         description="MLflow tracking URI; unset = sqlite:///<home>/mlflow.db.",
     )
+    model_cache: Path | None = Field(
+        default=None,
+        description="Local folder for models copied from storage or MLflow and for built tiny "
+        "models, shareable by every home on the machine (like HF_HOME); "
+        "unset = <home>/model-cache.",
+    )
     storage_url: str | None = Field(
         default=None,
         description="Root URL for checkpoints, caches and results (any fsspec URL, "
@@ -101,6 +107,8 @@ class Settings(BaseSettings):
 
     @property
     def model_cache_dir(self) -> str:
+        if self.model_cache is not None:
+            return str(self.model_cache.expanduser().resolve())
         return str(self.resolved_home / "model-cache")
 
     def apply_to_environment(self) -> None:

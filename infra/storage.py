@@ -184,10 +184,11 @@ class Storage:
             p[len(base) :]: int(info["size"]) for p, info in found.items() if p.startswith(base)
         }
 
-    def put_dir(self, local_dir: str | Path, rel: str) -> None:
-        """Copy the tree under `local_dir` to `rel` (files are overwritten, none deleted)."""
+    def put_dir(self, local_dir: str | Path, rel: str, exclude: tuple[str, ...] = ()) -> None:
+        """Copy the tree under `local_dir` to `rel` (files are overwritten, none deleted),
+        leaving out files named in `exclude`."""
         local_dir = Path(local_dir)
-        sources = sorted(p for p in local_dir.rglob("*") if p.is_file())
+        sources = sorted(p for p in local_dir.rglob("*") if p.is_file() and p.name not in exclude)
         targets = [self._path(f"{rel}/{p.relative_to(local_dir).as_posix()}") for p in sources]
         timeout = self._timeout(sum(p.stat().st_size for p in sources))
         self._retry(

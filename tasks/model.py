@@ -15,11 +15,15 @@ from prefect.cache_policies import NO_CACHE
 from flowrl.backends.actors import PolicyRef, run_on_ray, start_policy, stop_policy, trainer
 from flowrl.backends.mlflow_model import save_chat_model
 from flowrl.backends.models import (
+    CACHE_BOOKKEEPING,
     TinyModelSpec,
     build_tiny_model,
+    build_tiny_model_once,
+    cached_tiny_model,
     model_positions,
     pin_model_uri,
     resolve_model_uri,
+    tiny_model_slot,
 )
 from flowrl.backends.types import WorkerSpec
 from flowrl.environments import registry
@@ -51,17 +55,30 @@ def prepare_model(cfg: JobConfig, ctx: JobContext) -> str:
     spec = cfg.model.tiny
     # A text model's key leaves the (disabled) vision section out: the same key as before it.
     shape = spec.model_dump(exclude=None if spec.vision.enabled else {"vision"})
-    rel = f"models/tiny-{stable_hash(shape)}"
+    key = stable_hash(shape)
+    rel = f"models/tiny-{key}"
     if not storage.exists(f"{rel}/{DONE_MARKER}"):
-        run_on_ray(_build_into_storage, spec, ctx.storage_url, rel)
+        # Built once per machine into the model cache (every home on it may share the cache);
+        # a cached build is only copied, and the flow process imports no torch either way.
+        slot = tiny_model_slot(ctx.cache_dir, key)
+        built = cached_tiny_model(slot)
+        if built is None:
+            run_on_ray(_build_into_storage, spec, str(slot), ctx.storage_url, rel)
+        else:
+            storage.put_dir(built, rel, exclude=CACHE_BOOKKEEPING)
         storage.write_json(f"{rel}/{DONE_MARKER}", shape)
     return storage.uri(rel)
 
 
-def _build_into_storage(spec: TinyModelSpec, storage_url: str, rel: str) -> None:
+def _build_into_storage(spec: TinyModelSpec, slot: str, storage_url: str, rel: str) -> None:
+    """In a Ray worker: build into this node's model cache (a temporary folder if the cache
+    cannot be written there), then copy into storage."""
     with tempfile.TemporaryDirectory() as tmp:
-        build_tiny_model(spec, tmp)
-        Storage(storage_url).put_dir(tmp, rel)
+        try:
+            folder = build_tiny_model_once(spec, Path(slot))
+        except OSError:
+            folder = Path(build_tiny_model(spec, tmp))
+        Storage(storage_url).put_dir(folder, rel, exclude=CACHE_BOOKKEEPING)
 
 
 def _check_context(cfg: JobConfig, positions: int | None) -> None:
@@ -75,12 +92,16 @@ def _check_context(cfg: JobConfig, positions: int | None) -> None:
 
 
 @task(name="warmup", cache_policy=NO_CACHE)
-def warmup(cfg: RLJobConfig, ctx: JobContext, base_uri: str) -> WarmupResult:
+def warmup(
+    cfg: RLJobConfig, ctx: JobContext, base_uri: str, keep_workers: bool = False
+) -> WarmupResult:
     """SFT the base model until held-out accuracy reaches the target; cached by content hash.
 
     Its workers start with the job's resources and backends (``resources.plan()``), inside the
-    job's GPU slots. A second job with the same base model, environment and warm-up settings
-    reuses the stored result.
+    job's GPU slots. With ``keep_workers`` a warm-up that ran hands them back running
+    (``WarmupResult.workers``), for the job to restart from the warmed model rather than start
+    new processes; else they are stopped. A second job with the same base model, environment
+    and warm-up settings reuses the stored result.
     """
     if not cfg.warmup.enabled:
         return WarmupResult(base_uri, accuracy=None, steps=0, cached=False)
@@ -110,11 +131,15 @@ def warmup(cfg: RLJobConfig, ctx: JobContext, base_uri: str) -> WarmupResult:
     try:
         accuracy, steps = _sft_until(cfg, ctx, task_cfg, base_uri, policy)
         trainer(policy).export_pretrained(ctx.storage_url, rel)
-    finally:
+        result = WarmupResult(storage.uri(rel), accuracy, steps, cached=False)
+        storage.write_json(f"{rel}/{DONE_MARKER}", dataclasses.asdict(result))
+    except BaseException:
         stop_policy(policy)
-    result = WarmupResult(storage.uri(rel), accuracy, steps, cached=False)
-    storage.write_json(f"{rel}/{DONE_MARKER}", dataclasses.asdict(result))
-    return result
+        raise
+    if not keep_workers:
+        stop_policy(policy)
+        return result
+    return dataclasses.replace(result, workers=policy)
 
 
 def _sft_until(

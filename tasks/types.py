@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowrl.infra.settings import job_prefix
+
+if TYPE_CHECKING:
+    from flowrl.backends.actors import PolicyRef
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,9 @@ class WarmupResult:
     """True when an earlier job's identical warm-up was reused from storage."""
     skipped: str | None = None
     """Why warm-up did not run (None when it ran or was disabled)."""
+    workers: PolicyRef | None = None
+    """The warm-up's workers, still running, when it ran with ``keep_workers``: the job
+    restarts them from ``model_uri`` (``JobRun.start_policy(adopt=...)``)."""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,6 +22,21 @@ QUIET_TEST_ENV = {
     "TOKENIZERS_PARALLELISM": "false",
 }
 os.environ.update(QUIET_TEST_ENV)
+
+# One model cache for the whole run, as a machine has (like HF_HOME): every test's home, job
+# subprocess and xdist worker shares it, so each tiny model shape is built once per run, not
+# once per test home. Made by the first process to import this file (xdist's controller; its
+# workers inherit it) and removed by it at the end. A developer's own FLOWRL_MODEL_CACHE wins.
+_OWN_MODEL_CACHE = None
+if "FLOWRL_MODEL_CACHE" not in os.environ:
+    _OWN_MODEL_CACHE = tempfile.mkdtemp(prefix="flowrl-model-cache-")
+    os.environ["FLOWRL_MODEL_CACHE"] = _OWN_MODEL_CACHE
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _OWN_MODEL_CACHE is not None:
+        shutil.rmtree(_OWN_MODEL_CACHE, ignore_errors=True)
+
 
 # ------------------------------------------------------------------ order under pytest-xdist
 
@@ -66,6 +83,7 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     yield
     if folder:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, f"{worker}.tsv"), "a") as f:
             f.write(f"{worker}\t{start:.2f}\t{time.time():.2f}\t{item.nodeid}\n")
 
@@ -146,6 +164,7 @@ def ray_local() -> Iterator[None]:
         include_dashboard=False,
         namespace="flowrl",
         log_to_driver=False,
+        _system_config={"prestart_worker_first_driver": False},  # as a job's own local Ray
     )
     yield
     ray.shutdown()

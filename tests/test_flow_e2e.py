@@ -184,3 +184,6 @@ def test_prefect_has_the_runs_logs_and_artifacts(trained):
     messages = [log.message for log in logs]
     assert any("registered " + result.model_uri in m for m in messages), messages[:20]
     assert any(log.message.startswith("warm-up") for log in first), [g.message for g in first][:20]
+    # RL restarted the warm-up's workers from the warmed model: no second pair of processes.
+    handed = [g.message for g in first if g.message.startswith("policy workers: warm-up's")]
+    assert handed and "/warmup-" in handed[0], [g.message for g in first][:20]

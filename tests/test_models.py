@@ -1,6 +1,9 @@
 """Offline models: the char tokenizer, the concatenative chat format, tiny models, model URIs."""
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import fsspec
@@ -210,8 +213,54 @@ def test_resolve_fsspec_url_copies_once_into_the_cache(tmp_path, model_dir):
         mtime = Path(local, "model.safetensors").stat().st_mtime_ns
         assert resolve_model_uri(uri, str(tmp_path / "cache")) == local
         assert Path(local, "model.safetensors").stat().st_mtime_ns == mtime  # reused, not recopied
+        # A model written again at the same URI is copied again, never served stale.
+        other = build_tiny_model(TinyModelSpec(seed=7), str(tmp_path / "seed7"))
+        fs.rm("/flowrl-test/ckpt/step-3", recursive=True)
+        fs.put(other, "/flowrl-test/ckpt/step-3", recursive=True)
+        again = resolve_model_uri(uri, str(tmp_path / "cache"))
+        assert again != local
+        assert torch.equal(logits_of(again), logits_of(other))
     finally:
         fs.rm("/flowrl-test", recursive=True)
+
+
+PREPARE_TINY = """
+import sys
+from flowrl.infra.settings import get_settings
+from flowrl.tasks.jobs import RLJobConfig
+from flowrl.tasks.model import prepare_model
+from flowrl.tasks.types import JobContext
+
+s = get_settings()
+uri = prepare_model.fn(RLJobConfig(), JobContext("t", s.storage_root, s.model_cache_dir, "t"))
+print(uri, "torch" in sys.modules)
+"""
+
+
+def test_a_second_home_copies_the_tiny_model_from_the_machines_model_cache(tmp_path):
+    """``FLOWRL_MODEL_CACHE`` is shared by every home on a machine (as HF_HOME is): the first
+    job builds the tiny base model into it and into its storage; a job in another home copies
+    the same files into its storage, building nothing and importing no torch."""
+    env = os.environ | {"FLOWRL_MODEL_CACHE": str(tmp_path / "cache")}
+    found = {}
+    for home in ("first", "second"):
+        done = subprocess.run(
+            [sys.executable, "-c", PREPARE_TINY],
+            env=env | {"FLOWRL_HOME": str(tmp_path / home)},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        uri, torch_imported = done.stdout.splitlines()[-1].split()
+        found[home] = (Path(uri.removeprefix("file://")), torch_imported == "True")
+    (first, built), (second, copied) = found["first"], found["second"]
+    assert built and not copied  # the first home built it (no Ray here: in-process)
+    assert str(second).startswith(str(tmp_path / "second"))
+    files = sorted(p.relative_to(first) for p in first.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(second) for p in second.rglob("*") if p.is_file())
+    assert all((first / f).read_bytes() == (second / f).read_bytes() for f in files)
+    assert not any(f.name.startswith(".flowrl") for f in files)  # no cache bookkeeping
 
 
 def test_resolve_mlflow_registry_alias_and_version(tmp_path, model_dir, monkeypatch):

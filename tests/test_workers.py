@@ -290,24 +290,50 @@ def ray_cluster(ray_local) -> None:
     """The session's Ray (conftest)."""
 
 
-def test_ray_actors_sample_update_sync_and_stop(ray_cluster, model_dir, prompts, tmp_path):
+def test_ray_actors_sample_update_sync_restart_and_stop(
+    ray_cluster, policy, model_dir, prompts, tmp_path
+):
+    """Ray actors sample, train and sync; restarted from another spec (warm-up hands its
+    workers to the job so), each is built again in its own process and then samples and
+    trains exactly as a worker started fresh with that spec."""
     import ray
 
-    from flowrl.backends.actors import NAMESPACE
+    from flowrl.backends.actors import NAMESPACE, restart_policy
 
     spec = WorkerSpec(model_uri=model_dir, cache_dir=str(tmp_path / "cache"))
     ref = start_policy("test-workers-ray", spec, local=False, trainer_threads=2)
+
+    def pids() -> dict[str, int]:
+        handles = {n: ray.get_actor(n, namespace=NAMESPACE) for n in (ref.sampler, ref.trainer)}
+        return {n: ray.get(h.where.remote())[1] for n, h in handles.items()}
+
+    started = pids()
     # The trainer runs 2 torch threads, the sampler 1; idle OpenMP threads sleep, not spin.
     for name, threads in ((ref.sampler, "1"), (ref.trainer, "2")):
-        _, pid = ray.get(ray.get_actor(name, namespace=NAMESPACE).where.remote())
         environ = dict(
-            v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if v
+            v.split("=", 1)
+            for v in Path(f"/proc/{started[name]}/environ").read_text().split("\0")
+            if v
         )
         assert (environ["OMP_NUM_THREADS"], environ["OMP_WAIT_POLICY"]) == (threads, "PASSIVE")
     results = sampler(ref).sample(prompts, MAX_NEW_TOKENS, 1.0, seed=0)
     assert update(ref, as_data(prompts, results, advantage=1.0))["weights_version"] == 1
     assert sync_weights(ref) == 1
     assert_sampler_matches_trainer(ref, prompts, 1.0)
+
+    job = {"lora": LORA, "learning_rate": 1e-2, "seed": 5}
+    assert restart_policy(ref, spec.model_copy(update=job), trainer_threads=2)
+    assert pids() == started  # the same processes: no worker started
+    assert sampler(ref).get_weights_version() == 0
+    fresh = policy(**job)  # in-process, started from the same spec
+    for r in (ref, fresh):
+        assert sampler(r).get_weights_version() == 0 and sync_weights(r) == 0
+    got = [sampler(r).sample(prompts, MAX_NEW_TOKENS, 1.0, seed=1) for r in (ref, fresh)]
+    assert [x.tokens for x in got[0]] == [x.tokens for x in got[1]]
+    data = as_data(prompts, got[1], advantage=1.0)
+    steps = [update(r, data) for r in (ref, fresh)]
+    assert steps[0]["weights_version"] == steps[1]["weights_version"] == 1
+    assert steps[0] == pytest.approx(steps[1], rel=1e-5, abs=1e-6)
     stop_policy(ref)
     for name in (ref.sampler, ref.trainer):
         with pytest.raises(ValueError):
