@@ -64,13 +64,7 @@ class _Worker:
         """Build the backend again from ``spec`` in this process, as a new worker would (its
         imports stay: a policy's next job needs no new process). False, leaving the worker as
         it is, for a backend that cannot be built twice in one process (``restartable``)."""
-        cls = backend_class(self._backend)
-        if not getattr(cls, "restartable", False):
-            return False
-        self._impl = None  # the old model's memory is free before the new one loads
-        gc.collect()
-        self._impl = cls(spec)
-        return True
+        return _rebuild(vars(self), "_impl", backend_class(self._backend), spec)
 
     def where(self) -> tuple[str, int]:
         """(Ray node id, process id) of this worker."""
@@ -257,18 +251,19 @@ def restart_policy(ref: PolicyRef, spec: WorkerSpec, trainer_threads: int | None
     specs = _worker_specs(ref, spec, trainer_threads)
     names = [*ref.samplers, ref.trainer]
     if ref.local:
-        return all(_restart_local(name, specs[name]) for name in names)
+        return all(_rebuild(_LOCAL_WORKERS, n, type(_LOCAL_WORKERS[n]), specs[n]) for n in names)
     handles = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
     return all(ray.get([h.restart.remote(specs[n]) for h, n in zip(handles, names, strict=True)]))
 
 
-def _restart_local(name: str, spec: WorkerSpec) -> bool:
-    cls = type(_LOCAL_WORKERS[name])
+def _rebuild(holder: dict[str, Any], key: str, cls: type, spec: WorkerSpec) -> bool:
+    """Replace the backend ``holder[key]`` by ``cls(spec)``, the old one's memory freed first;
+    False, changing nothing, when ``cls`` cannot be built twice in a process (``restartable``)."""
     if not getattr(cls, "restartable", False):
         return False
-    _LOCAL_WORKERS[name] = None
+    holder[key] = None
     gc.collect()
-    _LOCAL_WORKERS[name] = cls(spec)
+    holder[key] = cls(spec)
     return True
 
 

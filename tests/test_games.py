@@ -133,7 +133,8 @@ def test_a_game_whose_reset_raises_fails_the_config_naming_it():
 
 
 def test_flowrl_selfplay_trains_the_readme_game(tmp_path):
-    """The README's command (shortened): warm-up on the reference player's moves, self-play
+    """The README's command (shortened), on a machine with nothing configured (Prefect's
+    embedded ephemeral API, a local Ray): warm-up on the reference player's moves, self-play
     between two policies, each registered under its agent's name; the warm-up lifts the win
     share against the reference player and self-play keeps both policies playing legal moves."""
     env = dict(os.environ)

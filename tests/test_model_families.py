@@ -254,15 +254,18 @@ print("RESULTS " + json.dumps(results))
 """
 
 
-def test_an_rl_job_trains_each_family_from_a_folder_and_from_s3_and_registers_it(moto_s3, tmp_path):
+def test_an_rl_job_trains_each_family_from_a_folder_and_from_s3_and_registers_it(
+    moto_s3, tmp_path, prefect_api
+):
     """Six short multi-turn tool_math jobs (three families x local folder / s3:// copy on moto)
-    in one Python process; each registered version reloads with its base's tokenizer, chat
-    template and generation config."""
+    in one Python process, on the session's Prefect API; each registered version reloads with
+    its base's tokenizer, chat template and generation config."""
     import os
     import subprocess
     import sys
 
     import fsspec
+    from prefect.settings import PREFECT_API_URL
 
     from flowrl.backends.chat import HFChatFormat as Format
 
@@ -290,6 +293,7 @@ def test_an_rl_job_trains_each_family_from_a_folder_and_from_s3_and_registers_it
             ]
             jobs.append({"key": f"{name}/{where}", "folder": folder, "overrides": overrides})
     env = dict(os.environ, FLOWRL_HOME=str(tmp_path / "home"))
+    env["PREFECT_API_URL"] = PREFECT_API_URL.value()  # no cold start of a Prefect API
     done = subprocess.run(
         [sys.executable, "-c", FAMILY_JOBS_SCRIPT, json.dumps(jobs), str(CONFIG)],
         env=env,

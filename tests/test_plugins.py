@@ -323,12 +323,16 @@ def test_a_user_environment_trains_in_every_mode_both_ways_of_naming_it(
     assert actors == "ACTORS ", actors  # the ray-mode jobs stopped their environment actors
 
 
-def test_the_readme_example_trains_with_the_readme_command_and_reward_rises(tmp_path):
-    """``PYTHONPATH=examples/recall flowrl train examples/recall/recall.yaml`` (shortened):
-    warm-up from Recall.demonstration(), then RL; mean reward of the last steps beats the
-    first steps'."""
+def test_the_readme_example_trains_with_the_readme_command_and_reward_rises(tmp_path, prefect_api):
+    """``PYTHONPATH=examples/recall flowrl train examples/recall/recall.yaml`` (shortened), by
+    a user whose Prefect API is the session's (the README game's test runs its command on the
+    embedded ephemeral API): warm-up from Recall.demonstration(), then RL; mean reward of the
+    last steps beats the first steps'."""
+    from prefect.settings import PREFECT_API_URL
+
     env = _with_path(dict(os.environ), EXAMPLE)
     env["FLOWRL_HOME"] = str(tmp_path / "home")
+    env["PREFECT_API_URL"] = PREFECT_API_URL.value()  # no cold start of a Prefect API
     flowrl = Path(sys.executable).with_name("flowrl")
     done = subprocess.run(
         [str(flowrl), "train", str(EXAMPLE / "recall.yaml"), "--set", "schedule.steps=30"],

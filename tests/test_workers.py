@@ -340,6 +340,18 @@ def test_ray_actors_sample_update_sync_restart_and_stop(
             ray.get_actor(name, namespace="flowrl")
 
 
+def test_an_in_process_policy_restarts_as_a_fresh_one(policy, prompts):
+    from flowrl.backends.actors import restart_policy
+
+    warm, fresh = policy(), policy(lora=LORA, seed=5)
+    update(warm, as_data(prompts, sampler(warm).sample(prompts, MAX_NEW_TOKENS, 1.0, seed=0), 1.0))
+    spec = trainer(fresh).spec
+    assert restart_policy(warm, spec) and trainer(warm).spec == spec
+    got = [sampler(r).sample(prompts, MAX_NEW_TOKENS, 1.0, seed=2) for r in (warm, fresh)]
+    assert [x.logprobs for x in got[0]] == [x.logprobs for x in got[1]]
+    assert trainer(warm).get_weights().keys() == trainer(fresh).get_weights().keys()  # LoRA
+
+
 def test_sft_datum_matches_the_agent_loops_token_layout(model_dir):
     """SFT trains on exactly the tokens the sampler would emit for each assistant turn."""
     from flowrl.tasks.sft import sft_datum
