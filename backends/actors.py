@@ -60,6 +60,10 @@ class _Worker:
     def call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._impl, verb)(*args, **kwargs)
 
+    def call_as(self, role: str, verb: str, *args: Any, **kwargs: Any) -> Any:
+        """``call``: this worker has one role (``ColocatedWorker`` has two)."""
+        return self.call(verb, *args, **kwargs)
+
     def restart(self, spec: WorkerSpec) -> bool:
         """Build the backend again from ``spec`` in this process, as a new worker would (its
         imports stay: a policy's next job needs no new process). False, leaving the worker as
@@ -83,6 +87,50 @@ class TrainerWorker(_Worker):
     """A policy's trainer actor (``TRAINER_BACKENDS``)."""
 
 
+class ColocatedWorker:
+    """A policy's sampler and trainer in one actor process (``resources.colocate``), as a
+    hybrid engine: an on-policy job never samples while it trains, so one process (one set of
+    imports, one CUDA context) serves both, and a weight sync is a copy inside it. Each role
+    runs its own number of torch threads."""
+
+    def __init__(self, backends: dict[str, str], specs: dict[str, WorkerSpec]):
+        self._backends = backends
+        self._specs = specs
+        self._impls = {role: backend_class(backends[role])(specs[role]) for role in ROLES}
+
+    def call_as(self, role: str, verb: str, *args: Any, **kwargs: Any) -> Any:
+        self._threads(role)
+        return getattr(self._impls[role], verb)(*args, **kwargs)
+
+    def sync(self) -> int:
+        """The trainer's weights into the sampler; the synced weights version."""
+        weights = self.call_as("trainer", "get_weights")
+        return self.call_as("sampler", "set_weights", weights)
+
+    def restart(self, specs: dict[str, WorkerSpec]) -> bool:
+        """Both roles built again from ``specs`` (``_Worker.restart``)."""
+        classes = {role: backend_class(self._backends[role]) for role in ROLES}
+        if not all(getattr(c, "restartable", False) for c in classes.values()):
+            return False
+        self._specs = specs
+        for role in ROLES:
+            _rebuild(self._impls, role, classes[role], specs[role])
+        return True
+
+    def where(self) -> tuple[str, int]:
+        return _here()
+
+    def _threads(self, role: str) -> None:
+        threads = {spec.torch_threads for spec in self._specs.values()}
+        if len(threads) > 1:  # the roles differ: each runs its own
+            import torch
+
+            torch.set_num_threads(self._specs[role].torch_threads)
+
+
+ROLES = ("sampler", "trainer")
+
+
 @dataclass(frozen=True)
 class PolicyRef:
     """Names of one policy's sampler workers and trainer worker (picklable, passed to tasks).
@@ -91,6 +139,13 @@ class PolicyRef:
     samplers: tuple[str, ...]
     trainer: str
     local: bool = False
+    colocated: bool = False
+    """One actor (``ColocatedWorker``) is the only sampler and the trainer."""
+
+    @property
+    def actors(self) -> tuple[str, ...]:
+        """Each worker's name once."""
+        return tuple(dict.fromkeys((*self.samplers, self.trainer)))
 
     @property
     def sampler(self) -> str:
@@ -118,6 +173,7 @@ class WorkerPlan:
     dtype: Precision = "auto"
     samplers: int = 1
     trainer_threads: int | None = None  # None: torch_threads
+    colocate: bool = False  # the sampler and the trainer in one actor (ColocatedWorker)
 
     def start(self, name: str, spec: WorkerSpec) -> PolicyRef:
         """Start a policy's samplers and trainer as planned (``spec.torch_threads`` and
@@ -131,6 +187,7 @@ class WorkerPlan:
             self.trainer_backend,
             samplers=self.samplers,
             trainer_threads=self.trainer_threads,
+            colocate=self.colocate,
         )
 
     def adopt(self, ref: PolicyRef, spec: WorkerSpec) -> bool:
@@ -144,21 +201,22 @@ class WorkerPlan:
 class _Proxy:
     """Calls a worker's verbs synchronously, whether it is a Ray actor or a local object."""
 
-    def __init__(self, target: Any, remote: bool):
+    def __init__(self, target: Any, remote: bool, role: str):
         self._target = target
         self._remote = remote
+        self._role = role
 
     def __getattr__(self, verb: str) -> Callable[..., Any]:
         if not self._remote:
             return getattr(self._target, verb)
-        call = self._target.call
-        return lambda *args, **kwargs: ray.get(call.remote(verb, *args, **kwargs))
+        call, role = self._target.call_as, self._role
+        return lambda *args, **kwargs: ray.get(call.remote(role, verb, *args, **kwargs))
 
 
-def _worker(name: str, local: bool) -> _Proxy:
+def _worker(name: str, local: bool, role: str = "sampler") -> _Proxy:
     if local:
-        return _Proxy(_LOCAL_WORKERS[name], remote=False)
-    return _Proxy(ray.get_actor(name, namespace=NAMESPACE), remote=True)
+        return _Proxy(_LOCAL_WORKERS[name], remote=False, role=role)
+    return _Proxy(ray.get_actor(name, namespace=NAMESPACE), remote=True, role=role)
 
 
 def sampler(ref: PolicyRef, index: int = 0) -> _Proxy:
@@ -177,7 +235,7 @@ def sampler_weights_version(ref: PolicyRef) -> int:
 
 def worker_nodes(ref: PolicyRef) -> dict[str, str]:
     """The Ray node each of the policy's workers runs on, by actor name."""
-    names = [*ref.samplers, ref.trainer]
+    names = ref.actors
     if ref.local:
         return dict.fromkeys(names, "local")
     handles = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
@@ -186,7 +244,7 @@ def worker_nodes(ref: PolicyRef) -> dict[str, str]:
 
 
 def trainer(ref: PolicyRef) -> _Proxy:
-    return _worker(ref.trainer, ref.local)
+    return _worker(ref.trainer, ref.local, role="trainer")
 
 
 def start_policy(
@@ -198,49 +256,66 @@ def start_policy(
     local: bool = False,
     samplers: int = 1,
     trainer_threads: int | None = None,
+    colocate: bool = False,
 ) -> PolicyRef:
     """Start ``samplers`` samplers and a trainer for one policy and wait until all hold their
     weights. Several samplers are spread over the cluster's nodes (Ray's ``SPREAD``). The
     trainer runs ``trainer_threads`` torch threads (default: ``spec.torch_threads``, as the
-    samplers); Ray still counts it as ``resources.num_cpus``."""
-    sampler_path = _pick(SAMPLER_BACKENDS, sampler_backend, "sampler")
-    trainer_path = _pick(TRAINER_BACKENDS, trainer_backend, "trainer")
-    names = tuple(f"{name}-sampler" + (f"-{i}" if i else "") for i in range(samplers))
-    ref = PolicyRef(samplers=names, trainer=f"{name}-trainer", local=local)
-    specs = _worker_specs(ref, spec, trainer_threads)
-    workers = [*((SamplerWorker, sampler_path, n, specs[n]) for n in names)]
-    workers.append((TrainerWorker, trainer_path, ref.trainer, specs[ref.trainer]))
-    if local:
-        _LOCAL_WORKERS.update({n: backend_class(path)(s) for _, path, n, s in workers})
-        return ref
+    samplers); Ray still counts it as ``resources.num_cpus``. With ``colocate`` (one sampler,
+    Ray workers) the sampler and the trainer are one actor, ``<name>-policy``
+    (``ColocatedWorker``), asking the cluster for ``resources`` once."""
+    paths = {
+        "sampler": _pick(SAMPLER_BACKENDS, sampler_backend, "sampler"),
+        "trainer": _pick(TRAINER_BACKENDS, trainer_backend, "trainer"),
+    }
+    specs = _role_specs(spec, trainer_threads)
     options = {
         "namespace": NAMESPACE,
         "num_cpus": resources.num_cpus,
         "num_gpus": resources.num_gpus,
         "max_concurrency": 1,
     }
+    if colocate and samplers == 1 and not local:
+        ref = PolicyRef(samplers=(f"{name}-policy",), trainer=f"{name}-policy", colocated=True)
+        threads = max(s.torch_threads for s in specs.values())
+        env = worker_environment() | _threads_environment(threads)
+        handle = (
+            ray.remote(ColocatedWorker)
+            .options(name=ref.trainer, runtime_env={"env_vars": env}, **options)
+            .remote(paths, specs)
+        )
+        ray.get(handle.__ray_ready__.remote())
+        _OWNED_ACTORS[ref.trainer] = handle
+        return ref
+    names = tuple(f"{name}-sampler" + (f"-{i}" if i else "") for i in range(samplers))
+    ref = PolicyRef(samplers=names, trainer=f"{name}-trainer", local=local)
+    workers = [*((SamplerWorker, "sampler", n) for n in names)]
+    workers.append((TrainerWorker, "trainer", ref.trainer))
+    if local:
+        _LOCAL_WORKERS.update({n: backend_class(paths[r])(specs[r]) for _, r, n in workers})
+        return ref
     handles = {
         actor_name: ray.remote(cls)
         .options(
             name=actor_name,
             scheduling_strategy="SPREAD" if cls is SamplerWorker and samplers > 1 else "DEFAULT",
-            runtime_env={"env_vars": worker_environment() | _threads_environment(s)},
+            runtime_env={
+                "env_vars": worker_environment() | _threads_environment(specs[role].torch_threads)
+            },
             **options,
         )
-        .remote(path, s)
-        for cls, path, actor_name, s in workers
+        .remote(paths[role], specs[role])
+        for cls, role, actor_name in workers
     }
     ray.get([h.__ray_ready__.remote() for h in handles.values()])
     _OWNED_ACTORS.update(handles)
     return ref
 
 
-def _worker_specs(
-    ref: PolicyRef, spec: WorkerSpec, trainer_threads: int | None
-) -> dict[str, WorkerSpec]:
-    """Each worker's spec by name: the trainer may run its own number of torch threads."""
+def _role_specs(spec: WorkerSpec, trainer_threads: int | None) -> dict[str, WorkerSpec]:
+    """The sampler's and the trainer's spec: the trainer may run its own number of threads."""
     trainer_spec = spec.model_copy(update={"torch_threads": trainer_threads or spec.torch_threads})
-    return dict.fromkeys(ref.samplers, spec) | {ref.trainer: trainer_spec}
+    return {"sampler": spec, "trainer": trainer_spec}
 
 
 def restart_policy(ref: PolicyRef, spec: WorkerSpec, trainer_threads: int | None = None) -> bool:
@@ -248,12 +323,16 @@ def restart_policy(ref: PolicyRef, spec: WorkerSpec, trainer_threads: int | None
     it has (``start_policy``'s specs); the workers hold the new weights when it returns. False
     when a backend cannot restart (``restartable``): then the caller stops the policy and
     starts a new one (a worker that did restart holds the new spec, unused)."""
-    specs = _worker_specs(ref, spec, trainer_threads)
-    names = [*ref.samplers, ref.trainer]
+    specs = _role_specs(spec, trainer_threads)
+    roles = {**dict.fromkeys(ref.samplers, "sampler"), ref.trainer: "trainer"}
     if ref.local:
-        return all(_rebuild(_LOCAL_WORKERS, n, type(_LOCAL_WORKERS[n]), specs[n]) for n in names)
-    handles = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
-    return all(ray.get([h.restart.remote(specs[n]) for h, n in zip(handles, names, strict=True)]))
+        return all(
+            _rebuild(_LOCAL_WORKERS, n, type(_LOCAL_WORKERS[n]), specs[r]) for n, r in roles.items()
+        )
+    if ref.colocated:
+        return ray.get(ray.get_actor(ref.trainer, namespace=NAMESPACE).restart.remote(specs))
+    handles = {n: ray.get_actor(n, namespace=NAMESPACE) for n in roles}
+    return all(ray.get([handles[n].restart.remote(specs[r]) for n, r in roles.items()]))
 
 
 def _rebuild(holder: dict[str, Any], key: str, cls: type, spec: WorkerSpec) -> bool:
@@ -267,12 +346,12 @@ def _rebuild(holder: dict[str, Any], key: str, cls: type, spec: WorkerSpec) -> b
     return True
 
 
-def _threads_environment(spec: WorkerSpec) -> dict[str, str]:
+def _threads_environment(threads: int) -> dict[str, str]:
     """torch's threads for a worker. Idle OpenMP threads sleep at once (``PASSIVE``) rather
     than spin: a trainer with more threads than the cores its sampler leaves free would
     otherwise burn the sampler's core waiting (one-step-off on 2 cores, the benchmark's large
     size, ``trainer_threads: 2``: 1.37 s a step spinning, 1.14 s sleeping)."""
-    return {"OMP_NUM_THREADS": str(spec.torch_threads), "OMP_WAIT_POLICY": "PASSIVE"}
+    return {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def stop_policy(ref: PolicyRef, timeout_s: float = 30.0) -> None:
@@ -280,7 +359,7 @@ def stop_policy(ref: PolicyRef, timeout_s: float = 30.0) -> None:
     processes have exited, so a policy started next (the job's, after its warm-up's) never
     shares the machine's memory with them."""
     handles = []
-    for name in (*ref.samplers, ref.trainer):
+    for name in ref.actors:
         if ref.local:
             _LOCAL_WORKERS.pop(name, None)
             continue
@@ -332,6 +411,8 @@ def sync_weights(ref: PolicyRef) -> int:
     if ref.local:
         weights = _LOCAL_WORKERS[ref.trainer].get_weights()
         return min(_LOCAL_WORKERS[name].set_weights(weights) for name in ref.samplers)
+    if ref.colocated:  # a copy inside the one process
+        return ray.get(ray.get_actor(ref.trainer, namespace=NAMESPACE).sync.remote())
     trainer_handle = ray.get_actor(ref.trainer, namespace=NAMESPACE)
     # The weights travel trainer -> object store -> samplers (one copy in the store, fetched
     # by each sampler's node), never through this process.

@@ -187,7 +187,7 @@ class JobRun:
             seed=self.config.seed,
             **self.config.worker_settings(),
         )
-        plan = self.config.resources.plan()
+        plan = self.config.worker_plan()
         policy = None
         if adopt is not None:
             self._policies.append(adopt)  # stopped with the run, whatever happens next

@@ -335,6 +335,13 @@ class ResourcesSection(_Section):
         description="Sampler actors per policy, spread over the cluster's nodes, each holding "
         "the synced weights; a rollout's groups are split between them.",
     )
+    colocate: bool | None = Field(
+        default=None,
+        description="The sampler and the trainer in one actor process (a hybrid engine: one "
+        "set of imports and one CUDA context; a weight sync is a copy inside the process). "
+        "Unset = where the job never samples while it trains: on-policy, one sampler, the hf "
+        "and torch backends.",
+    )
     gpus: int = Field(
         default=0,
         ge=0,
@@ -348,11 +355,25 @@ class ResourcesSection(_Section):
         "(bf16 autocast forward); log-probs are float32.",
     )
 
-    def plan(self) -> WorkerPlan:
+    @model_validator(mode="after")
+    def _colocate_one_sampler(self) -> ResourcesSection:
+        if self.colocate and self.samplers > 1:
+            raise ValueError(
+                f"resources.colocate needs one sampler (resources.samplers={self.samplers})"
+            )
+        return self
+
+    def plan(self, on_policy: bool = True) -> WorkerPlan:
         """How every policy worker of the job starts, warm-up included: the job's GPU slots
-        split evenly between a policy's samplers and trainer unless set per worker, its
-        backends and its precision."""
-        per_worker = self.gpus_per_worker or self.gpus / (self.samplers + 1)
+        split evenly between a policy's samplers and trainer unless set per worker (a
+        colocated policy's one actor holds them all), its backends and its precision.
+        ``on_policy``: the job never samples while it trains (``colocate`` unset)."""
+        colocate = self.colocate
+        if colocate is None:
+            colocate = on_policy and self.samplers == 1 and self.sampler_backend == "hf"
+            colocate = colocate and self.trainer_backend == "torch"
+        workers = 1 if colocate else self.samplers + 1
+        per_worker = self.gpus_per_worker or self.gpus / workers
         return WorkerPlan(
             resources=ActorResources(num_cpus=1, num_gpus=per_worker),
             sampler_backend=self.sampler_backend,
@@ -361,6 +382,7 @@ class ResourcesSection(_Section):
             dtype=self.dtype,
             samplers=self.samplers,
             trainer_threads=self.trainer_threads,
+            colocate=colocate,
         )
 
 
@@ -422,6 +444,12 @@ class JobConfig(_Section):
         """``WorkerSpec`` fields this job kind sets for its policy workers."""
         return {"lora": self.model.lora}
 
+    def worker_plan(self) -> WorkerPlan:
+        """``resources.plan()`` for this job: on-policy unless it samples ahead of its
+        updates (``schedule.off_policy_steps``)."""
+        schedule = getattr(self, "schedule", None)
+        return self.resources.plan(on_policy=not getattr(schedule, "off_policy_steps", 0))
+
 
 class TrainingJobConfig(JobConfig):
     """A job whose result is a new registered model version."""
@@ -482,6 +510,15 @@ class RLJobConfig(TrainingJobConfig):
             raise ValueError(
                 f"env {self.env.name!r} shows images: set model.tiny.vision.enabled (a tiny "
                 "LLaVA) or a vision-language model.source"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _colocated_policies_run_on_policy(self) -> RLJobConfig:
+        if self.resources.colocate and self.schedule.off_policy_steps:
+            raise ValueError(
+                "resources.colocate: a colocated policy cannot sample while it trains; "
+                "set schedule.off_policy_steps 0 or leave resources.colocate unset"
             )
         return self
 

@@ -97,7 +97,7 @@ def warmup(
 ) -> WarmupResult:
     """SFT the base model until held-out accuracy reaches the target; cached by content hash.
 
-    Its workers start with the job's resources and backends (``resources.plan()``), inside the
+    Its workers start with the job's resources and backends (``worker_plan()``), inside the
     job's GPU slots. With ``keep_workers`` a warm-up that ran hands them back running
     (``WarmupResult.workers``), for the job to restart from the warmed model rather than start
     new processes; else they are stopped. A second job with the same base model, environment
@@ -127,7 +127,7 @@ def warmup(
         learning_rate=cfg.warmup.learning_rate,
         seed=cfg.seed,
     )
-    policy = cfg.resources.plan().start(f"{ctx.run_name}-warmup", spec)
+    policy = cfg.worker_plan().start(f"{ctx.run_name}-warmup", spec)
     try:
         accuracy, steps = _sft_until(cfg, ctx, task_cfg, base_uri, policy)
         trainer(policy).export_pretrained(ctx.storage_url, rel)

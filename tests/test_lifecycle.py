@@ -42,7 +42,10 @@ def test_warmup_workers_start_with_the_jobs_resources_and_backends(tmp_path, mon
     started: list[tuple[str, ActorResources, str, str, int, int | None]] = []
     real_start = actors.start_policy
 
-    def record(name, spec, resources, sampler_backend, trainer_backend, samplers, trainer_threads):
+    def record(
+        name, spec, resources, sampler_backend, trainer_backend, samplers, trainer_threads, colocate
+    ):
+        assert not colocate  # two samplers: never colocated
         started.append(
             (name, resources, sampler_backend, trainer_backend, samplers, trainer_threads)
         )

@@ -340,6 +340,41 @@ def test_ray_actors_sample_update_sync_restart_and_stop(
             ray.get_actor(name, namespace="flowrl")
 
 
+def test_a_colocated_policy_is_one_process_that_samples_and_trains_as_two(
+    ray_cluster, policy, model_dir, prompts, tmp_path
+):
+    """``colocate``: the sampler and the trainer in one actor process, each with its own torch
+    threads; it samples, trains and syncs exactly as separate workers do, and restarts."""
+    import ray
+
+    from flowrl.backends.actors import NAMESPACE, restart_policy
+
+    spec = WorkerSpec(model_uri=model_dir, cache_dir=str(tmp_path / "cache"), lora=LORA)
+    ref = start_policy("test-colocated", spec, local=False, trainer_threads=2, colocate=True)
+    apart = policy(lora=LORA)  # in-process, one worker per role
+    try:
+        assert ref.colocated and ref.actors == ("test-colocated-policy",)
+        handle = ray.get_actor(ref.trainer, namespace=NAMESPACE)
+        _, pid = ray.get(handle.where.remote())
+        environ = Path(f"/proc/{pid}/environ").read_text().split("\0")
+        assert "OMP_NUM_THREADS=2" in environ  # the larger of the two roles' threads
+        got = [sampler(r).sample(prompts, MAX_NEW_TOKENS, 1.0, seed=0) for r in (ref, apart)]
+        assert [x.tokens for x in got[0]] == [x.tokens for x in got[1]]
+        data = as_data(prompts, got[1], advantage=1.0)
+        steps = [update(r, data) for r in (ref, apart)]
+        assert steps[0] == pytest.approx(steps[1], rel=1e-5, abs=1e-6)
+        assert sampler(ref).get_weights_version() == 0  # the sampler waits for the sync
+        assert sync_weights(ref) == sync_weights(apart) == 1
+        assert_sampler_matches_trainer(ref, prompts, 1.0)
+        assert restart_policy(ref, spec.model_copy(update={"lora": LoraSettings()}))
+        assert ray.get(handle.where.remote())[1] == pid and sync_weights(ref) == 0
+        assert_sampler_matches_trainer(ref, prompts, 0.0)
+    finally:
+        stop_policy(ref)
+    with pytest.raises(ValueError):
+        ray.get_actor(ref.trainer, namespace=NAMESPACE)
+
+
 def test_an_in_process_policy_restarts_as_a_fresh_one(policy, prompts):
     from flowrl.backends.actors import restart_policy
 
@@ -349,7 +384,8 @@ def test_an_in_process_policy_restarts_as_a_fresh_one(policy, prompts):
     assert restart_policy(warm, spec) and trainer(warm).spec == spec
     got = [sampler(r).sample(prompts, MAX_NEW_TOKENS, 1.0, seed=2) for r in (warm, fresh)]
     assert [x.logprobs for x in got[0]] == [x.logprobs for x in got[1]]
-    assert trainer(warm).get_weights().keys() == trainer(fresh).get_weights().keys()  # LoRA
+    weights = [trainer(r).get_weights()[0] for r in (warm, fresh)]
+    assert weights[0].keys() == weights[1].keys()  # the adapter's, LoRA as the fresh one
 
 
 def test_sft_datum_matches_the_agent_loops_token_layout(model_dir):
