@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -62,7 +63,9 @@ def prepare_model(cfg: JobConfig, ctx: JobContext) -> str:
         # a cached build is only copied, and the flow process imports no torch either way.
         slot = tiny_model_slot(ctx.cache_dir, key)
         built = cached_tiny_model(slot)
-        if built is None:
+        if built is None and MODEL_CODE in sys.modules:  # a notebook's, a test's: no import
+            _build_into_storage(spec, str(slot), ctx.storage_url, rel)
+        elif built is None:
             run_on_ray(_build_into_storage, spec, str(slot), ctx.storage_url, rel)
         else:
             storage.put_dir(built, rel, exclude=CACHE_BOOKKEEPING)
@@ -70,9 +73,14 @@ def prepare_model(cfg: JobConfig, ctx: JobContext) -> str:
     return storage.uri(rel)
 
 
+MODEL_CODE = "transformers.models.llama.modeling_llama"
+"""Loaded already, it makes building a tiny model here cheap: no Ray task is started for it."""
+
+
 def _build_into_storage(spec: TinyModelSpec, slot: str, storage_url: str, rel: str) -> None:
-    """In a Ray worker: build into this node's model cache (a temporary folder if the cache
-    cannot be written there), then copy into storage."""
+    """In a Ray worker (or a process with the model code loaded): build into this node's
+    model cache (a temporary folder if the cache cannot be written there), then copy into
+    storage."""
     with tempfile.TemporaryDirectory() as tmp:
         try:
             folder = build_tiny_model_once(spec, Path(slot))

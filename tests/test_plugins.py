@@ -297,7 +297,7 @@ def test_a_user_environment_trains_in_every_mode_both_ways_of_naming_it(
                         "schedule.eval_every=2",
                         "warmup.enabled=false",  # warm-up from demonstrations: the README test
                         "rollout.prompts_per_step=4",
-                        "env.eval_size=16",
+                        "env.eval_size=4",
                     ] + ([f"env.service_url={url}"] if mode == "http" else [])
                     done = subprocess.run(
                         [flowrl, "train", str(EXAMPLE / "recall.yaml")]
