@@ -20,7 +20,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: setup
 	$(BIN)/flowrl train configs/arithmetic.yaml
 
+# Bytecode of flowrl's own modules first: with PYTHONDONTWRITEBYTECODE set, every job, flow-run
+# and Ray worker process of the suite would otherwise compile them again (~0.3 s of CPU each).
 test: setup
+	$(BIN)/python -m compileall -q flowrl flows tasks backends infra environments agent_loop
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 lint: setup
