@@ -121,11 +121,9 @@ class ColocatedWorker:
         return _here()
 
     def _threads(self, role: str) -> None:
-        threads = {spec.torch_threads for spec in self._specs.values()}
-        if len(threads) > 1:  # the roles differ: each runs its own
-            import torch
+        import torch  # loaded by the backends already
 
-            torch.set_num_threads(self._specs[role].torch_threads)
+        torch.set_num_threads(self._specs[role].torch_threads)
 
 
 ROLES = ("sampler", "trainer")
@@ -178,10 +176,9 @@ class WorkerPlan:
     def start(self, name: str, spec: WorkerSpec) -> PolicyRef:
         """Start a policy's samplers and trainer as planned (``spec.torch_threads`` and
         ``spec.dtype`` overridden; the trainer's threads may differ from the samplers')."""
-        spec = spec.model_copy(update={"torch_threads": self.torch_threads, "dtype": self.dtype})
         return start_policy(
             name,
-            spec,
+            self._spec(spec),
             self.resources,
             self.sampler_backend,
             self.trainer_backend,
@@ -194,8 +191,11 @@ class WorkerPlan:
         """Restart the running workers of ``ref`` (started with this plan, e.g. by warm-up)
         from ``spec`` instead of starting new ones: the same processes, built again as
         ``start`` would build them. False (nothing changed) when a backend cannot restart."""
-        spec = spec.model_copy(update={"torch_threads": self.torch_threads, "dtype": self.dtype})
-        return restart_policy(ref, spec, trainer_threads=self.trainer_threads)
+        return restart_policy(ref, self._spec(spec), trainer_threads=self.trainer_threads)
+
+    def _spec(self, spec: WorkerSpec) -> WorkerSpec:
+        """``spec`` with this plan's torch threads and precision."""
+        return spec.model_copy(update={"torch_threads": self.torch_threads, "dtype": self.dtype})
 
 
 class _Proxy:

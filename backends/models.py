@@ -364,7 +364,12 @@ def tiny_model_slot(cache_dir: str, key: str) -> Path:
 
 def cached_tiny_model(slot: Path) -> Path | None:
     """The complete tiny model at ``slot``, or None when it has not been built there."""
-    return slot if (slot / _COMPLETE_MARKER).exists() else None
+    return slot if _complete(slot) else None
+
+
+def _complete(slot: Path) -> bool:
+    """A cache slot holds a whole copy (``_fill_once`` marks it last)."""
+    return (slot / _COMPLETE_MARKER).exists()
 
 
 def build_tiny_model_once(spec: TinyModelSpec, slot: Path) -> Path:
@@ -376,7 +381,7 @@ def build_tiny_model_once(spec: TinyModelSpec, slot: Path) -> Path:
 
 def _fill_once(slot: Path, fill: Any) -> Path:
     """Run ``fill(tmp_dir)`` and move the result to ``slot``, unless a complete copy is there."""
-    if (slot / _COMPLETE_MARKER).exists():
+    if _complete(slot):
         return slot
     slot.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=slot.parent, prefix=f".{slot.name}-"))
@@ -386,7 +391,7 @@ def _fill_once(slot: Path, fill: Any) -> Path:
         try:
             tmp.rename(slot)  # atomic; fails if another process's complete copy is there
         except OSError:
-            if (slot / _COMPLETE_MARKER).exists():
+            if _complete(slot):
                 return slot  # another job filled it first, and may be reading it: keep theirs
             shutil.rmtree(slot, ignore_errors=True)  # an incomplete leftover
             tmp.rename(slot)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -19,7 +18,6 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
-from prefect.exceptions import MissingContextError
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
@@ -193,7 +191,7 @@ class JobRun:
             self._policies.append(adopt)  # stopped with the run, whatever happens next
             if plan.adopt(adopt, spec):
                 policy = adopt
-                _log(f"policy workers: warm-up's, restarted from {model_uri}")
+                get_run_logger().info("policy workers: warm-up's, restarted from %s", model_uri)
             else:
                 stop_policy(adopt)
         if policy is None:
@@ -332,11 +330,3 @@ class StepClock:
         now = time.perf_counter()
         wall, self.last = now - self.last, now
         return wall
-
-
-def _log(message: str) -> None:
-    """``message`` in the flow run's log (what the Prefect UI shows), else this process's."""
-    try:
-        get_run_logger().info(message)
-    except MissingContextError:
-        logging.getLogger("flowrl").info(message)

@@ -370,8 +370,8 @@ class ResourcesSection(_Section):
         ``on_policy``: the job never samples while it trains (``colocate`` unset)."""
         colocate = self.colocate
         if colocate is None:
-            colocate = on_policy and self.samplers == 1 and self.sampler_backend == "hf"
-            colocate = colocate and self.trainer_backend == "torch"
+            backends = (self.sampler_backend, self.trainer_backend)
+            colocate = on_policy and self.samplers == 1 and backends == ("hf", "torch")
         workers = 1 if colocate else self.samplers + 1
         per_worker = self.gpus_per_worker or self.gpus / workers
         return WorkerPlan(

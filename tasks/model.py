@@ -63,12 +63,12 @@ def prepare_model(cfg: JobConfig, ctx: JobContext) -> str:
         # a cached build is only copied, and the flow process imports no torch either way.
         slot = tiny_model_slot(ctx.cache_dir, key)
         built = cached_tiny_model(slot)
-        if built is None and MODEL_CODE in sys.modules:  # a notebook's, a test's: no import
-            _build_into_storage(spec, str(slot), ctx.storage_url, rel)
-        elif built is None:
-            run_on_ray(_build_into_storage, spec, str(slot), ctx.storage_url, rel)
-        else:
+        if built is not None:
             storage.put_dir(built, rel, exclude=CACHE_BOOKKEEPING)
+        elif MODEL_CODE in sys.modules:  # a notebook's, a test's process: nothing to import
+            _build_into_storage(spec, str(slot), ctx.storage_url, rel)
+        else:
+            run_on_ray(_build_into_storage, spec, str(slot), ctx.storage_url, rel)
         storage.write_json(f"{rel}/{DONE_MARKER}", shape)
     return storage.uri(rel)
 
