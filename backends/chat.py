@@ -17,11 +17,18 @@ only in what the template does to earlier turns that the loop does not repeat:
   message (and gives the final assistant turn an empty one when it has none). The policy keeps
   its own earlier turns as it sampled them; a sampled turn's text after ``</think>`` is what the
   environment sees.
-- ``llama3`` trims the whitespace around every message's content; a sampled turn is kept as
-  sampled.
+- ``llama3`` and ``gemma3`` trim the whitespace around every message's content; a sampled turn
+  is kept as sampled.
 
-``probe`` checks a template before a job starts: a short conversation with a tool message,
-rendered incrementally and whole, must be the same tokens.
+Strict templates (``gemma3``, ``mistral``) accept only user and assistant turns, alternating
+(a system message is folded into the first user turn), and raise on anything else. A tool
+observation is then rendered as a user turn (``tool_messages``: ``user``, or ``auto`` when the
+template refuses a ``tool`` message and accepts a ``user`` one); the conversation alternates.
+
+``probe`` checks a template before a job starts: a short conversation of what the job's
+environment sends (``ConversationNeeds``: a system prompt or not, user and/or tool
+observations), rendered incrementally and whole, must be the same tokens; a message the template
+refuses is named with the turn order that led to it.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerFast
 
 from flowrl.backends.models import (
@@ -41,6 +49,7 @@ from flowrl.backends.models import (
     load_tokenizer,
     resolve_model_uri,
 )
+from flowrl.environments.types import OBSERVATION_ROLES, TaskConfig
 
 
 class ChatTemplateError(ValueError):
@@ -69,11 +78,16 @@ FAMILIES: tuple[ChatFamily, ...] = (
     ChatFamily("qwen3", ("<|im_start|>", "<think>"), "<|im_end|>", thinking=True),
     ChatFamily("chatml", ("<|im_start|>",), "<|im_end|>"),
     ChatFamily("llama3", ("<|start_header_id|>", "<|eot_id|>"), "<|eot_id|>"),
+    ChatFamily("gemma3", ("<start_of_turn>", "<end_of_turn>"), "<end_of_turn>"),
+    ChatFamily("mistral", ("[INST]", "[/INST]"), "</s>"),
 )
 """The families the README names as supported. Any other template is ``template``: rendered the
 same generic way, and accepted when ``probe`` finds it exact."""
 GENERIC = ChatFamily("template", (), None)
 CHAT_FORMATS = ("auto", *(f.name for f in FAMILIES), GENERIC.name)
+TOOL_MESSAGES = ("auto", "tool", "user")
+"""``model.tool_messages``: how a tool observation is written to the template: as a ``tool``
+message, as a ``user`` turn, or ``auto`` (``user`` when the template refuses ``tool`` only)."""
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _BASE_REPLY = "flowrl base reply"
@@ -86,8 +100,52 @@ PROBE_CONVERSATION: tuple[dict[str, str], ...] = (
     {"role": "assistant", "content": "12 + 30 is 42."},
     {"role": "user", "content": "And 5 times 7?"},
 )
-"""Rendered incrementally and whole by ``probe``: a system prompt, three user-side turns (one a
-tool result) and two assistant turns."""
+"""The most ``probe`` renders: a system prompt, three user-side turns (one a tool result) and
+two assistant turns. ``probe_conversation`` keeps what a job's environment sends of it."""
+
+
+@dataclass(frozen=True)
+class ConversationNeeds:
+    """What a job's environment sends, so what its model's template must render."""
+
+    system: bool = True
+    """The environment has a system prompt."""
+    observation_roles: tuple[str, ...] = OBSERVATION_ROLES
+    """Roles of its observations (``"user"``, ``"tool"``); empty for a single-turn one."""
+
+
+def conversation_needs(task: TaskConfig) -> ConversationNeeds:
+    """What the environment of ``task`` sends: a system prompt (``get_system_prompt()`` after a
+    reset on the first held-out row is non-empty) and the roles it declares as the class
+    attribute ``observation_roles`` (undeclared: both). An environment that cannot be built or
+    reset here (a game, a failing reset, which ``check_environment`` names) needs everything."""
+    try:
+        env = task.make_env()
+        roles = tuple(getattr(env, "observation_roles", OBSERVATION_ROLES))
+        rows = task.eval_set()[:1]
+        env.reset(**(rows[0] if rows else {}))
+        system = bool(env.get_system_prompt())
+    except Exception:
+        return ConversationNeeds()
+    unknown = [r for r in roles if r not in OBSERVATION_ROLES]
+    if unknown:
+        raise ValueError(
+            f"{type(env).__name__}.observation_roles names {unknown}: choose from "
+            f"{OBSERVATION_ROLES}"
+        )
+    return ConversationNeeds(system=system, observation_roles=roles)
+
+
+def probe_conversation(needs: ConversationNeeds) -> list[dict[str, str]]:
+    """``PROBE_CONVERSATION`` without what the environment never sends: the system prompt, the
+    tool result and the reply to it. The last user turn always stays: every conversation opens
+    with one, and it shows what the template writes after an assistant turn."""
+    system, user, reply, tool, answer, last = PROBE_CONVERSATION
+    messages = [system] if needs.system else []
+    messages += [user, reply]
+    if "tool" in needs.observation_roles:
+        messages += [tool, answer]
+    return [*messages, last]
 
 
 def detect_family(template: str) -> ChatFamily:
@@ -148,6 +206,7 @@ class HFChatFormat:
         chat_format: str = "auto",
         eos_token_ids: list[int] | tuple[int, ...] = (),
         name: str = "the model",
+        tool_messages: str = "auto",
     ):
         if not tokenizer.chat_template:
             raise ChatTemplateError(f"{name}: the tokenizer has no chat template")
@@ -173,6 +232,8 @@ class HFChatFormat:
             "(" + "|".join(map(re.escape, specials)) + ")" if specials else "(?!)"
         )
         self.end_of_turn = self._end_of_turn_token()
+        self.tool_role = self._tool_role(tool_messages)
+        """The role a tool observation is rendered with: ``"tool"`` or ``"user"``."""
         self.end_of_turn_id = int(tokenizer.convert_tokens_to_ids(self.end_of_turn))
         stops = [self.end_of_turn_id, *eos_token_ids]
         if tokenizer.eos_token_id is not None:
@@ -182,7 +243,11 @@ class HFChatFormat:
 
     @classmethod
     def from_folder(
-        cls, path: str, chat_format: str = "auto", sanitize_control_tokens: bool = True
+        cls,
+        path: str,
+        chat_format: str = "auto",
+        sanitize_control_tokens: bool = True,
+        tool_messages: str = "auto",
     ) -> HFChatFormat:
         """The format of a local model folder: its tokenizer, template and generation config."""
         images = 0
@@ -197,6 +262,7 @@ class HFChatFormat:
             chat_format=chat_format,
             eos_token_ids=generation_eos_ids(path),
             name=f"model folder {path}",
+            tool_messages=tool_messages,
         )
 
     # ------------------------------------------------------------------ the ChatFormat protocol
@@ -267,11 +333,46 @@ class HFChatFormat:
                 ids += self._encode_text(piece[:1]) + self._encode_text(piece[1:])
         return ids + [self.end_of_turn_id]
 
+    def template_messages(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """``messages`` as the template is given them: tool messages as ``tool_role``."""
+        if self.tool_role == "tool":
+            return messages
+        return [{**m, "role": self.tool_role} if m.get("role") == "tool" else m for m in messages]
+
+    def refusal(self, messages: list[dict[str, Any]]) -> str | None:
+        """Why the template refuses to render ``messages`` (as ``template_messages``), naming the
+        first message it refuses and the turn order before it; None when it renders them."""
+        messages = self.template_messages(messages)
+        for end in range(1, len(messages) + 1):
+            try:
+                self._raw_text(messages[:end], generation_prompt=False)
+            except TemplateError as exc:
+                order = " -> ".join(m.get("role", "?") for m in messages[:end])
+                return (
+                    f"a {messages[end - 1].get('role')!r} message (turn order {order}): "
+                    f"the template raises {str(exc)!r}"
+                )
+        return None
+
     # ------------------------------------------------------------------------------ internals
+
+    def _tool_role(self, mode: str) -> str:
+        if mode not in TOOL_MESSAGES:
+            raise ValueError(f"unknown tool_messages {mode!r}; choose one of {TOOL_MESSAGES}")
+        if mode != "auto":
+            return mode
+        after_reply = [*_BASE, {"role": "assistant", "content": _BASE_REPLY}]
+        for role in ("tool", "user"):
+            try:
+                self._raw_text([*after_reply, {"role": role, "content": "42"}], True)
+                return role
+            except TemplateError:
+                continue
+        return "tool"  # refuses both: the probe names it
 
     def _end_of_turn_token(self) -> str:
         conversation = [*_BASE, {"role": "assistant", "content": _BASE_REPLY}]
-        text = self._render_text(conversation, generation_prompt=False)
+        text = self._raw_text(conversation, generation_prompt=False)
         after = text[text.index(_BASE_REPLY) + len(_BASE_REPLY) :]
         added = sorted(self.tokenizer.get_added_vocab(), key=len, reverse=True)
         found = next((t for t in added if after.startswith(t)), None)
@@ -290,6 +391,9 @@ class HFChatFormat:
         return found
 
     def _render_text(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+        return self._raw_text(self.template_messages(messages), generation_prompt)
+
+    def _raw_text(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
             messages, add_generation_prompt=generation_prompt, tokenize=False
         )
@@ -302,7 +406,7 @@ class HFChatFormat:
                 "use a vision-language model (model.tiny.vision.enabled)"
             )
         encoded = self.tokenizer.apply_chat_template(
-            messages,
+            self.template_messages(messages),
             add_generation_prompt=generation_prompt,
             tokenize=True,
             return_dict=False,
@@ -323,12 +427,22 @@ class HFChatFormat:
         return [u for t in ids for u in ([t] * n if t == image else [t])]
 
 
-def probe(chat: HFChatFormat) -> None:
+def probe(chat: HFChatFormat, needs: ConversationNeeds | None = None) -> None:
     """Refuse a template that flowrl cannot render one message at a time: render
-    ``PROBE_CONVERSATION`` incrementally (as the agent loop does) and whole; any difference
-    raises ``ChatTemplateError`` naming the model and showing the first differing position,
-    decoded on both sides."""
-    messages = list(PROBE_CONVERSATION)
+    ``probe_conversation(needs)`` incrementally (as the agent loop does) and whole; any
+    difference raises ``ChatTemplateError`` naming the model and showing the first differing
+    position, decoded on both sides. A message of it that the template refuses raises naming
+    the message's role and the turn order. Without ``needs`` (the environment unknown) the
+    probe renders what the template accepts of ``PROBE_CONVERSATION``."""
+    if needs is None:
+        needs = _accepted(chat)
+    messages = probe_conversation(needs)
+    refused = chat.refusal(messages)
+    if refused is not None:
+        raise ChatTemplateError(
+            f"{chat.name}: its chat template refuses {refused}. The job's environment sends "
+            f"{_described(needs)}{_hint(chat, needs)}"
+        )
     first_reply = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
     incremental = chat.encode_prompt(messages[:first_reply])
     for message in messages[first_reply:]:
@@ -350,16 +464,52 @@ def probe(chat: HFChatFormat) -> None:
     raise ChatTemplateError(
         f"{chat.name}: its chat template cannot be rendered one message at a time "
         f"(chat_format {chat.family.name!r}); rendered incrementally and whole, a "
-        f"{len(PROBE_CONVERSATION)}-message conversation first differs at token {at}: "
+        f"{len(messages)}-message conversation first differs at token {at}: "
         f"incremental {around(incremental)}, whole {around(whole)}. flowrl trains on the "
         "incremental tokens, so the model would see a conversation its template never writes"
     )
 
 
-def check_chat_template(uri: str, chat_format: str = "auto") -> None:
-    """Before a job starts: ``probe`` the chat template of a local ``model.source`` folder
-    (``tiny`` is flowrl's own format; a remote or registry source is probed where the job
-    fetches it). Raises ``ChatTemplateError`` naming the folder and the first difference."""
+def _accepted(chat: HFChatFormat) -> ConversationNeeds:
+    """The most of ``PROBE_CONVERSATION`` the template renders: the system prompt and each
+    observation role, where it accepts them."""
+    system = chat.refusal(list(PROBE_CONVERSATION[:2])) is None
+    opening = list(PROBE_CONVERSATION[1:3])
+    roles = tuple(
+        r
+        for r in OBSERVATION_ROLES
+        if chat.refusal([*opening, {"role": r, "content": "42"}]) is None
+    )
+    return ConversationNeeds(system=system, observation_roles=roles)
+
+
+def _described(needs: ConversationNeeds) -> str:
+    system = "a system prompt" if needs.system else "no system prompt"
+    roles = " and ".join(f"{r!r}" for r in needs.observation_roles) or "no"
+    return f"{system}, a first user turn, then {roles} observations after the model's turns"
+
+
+def _hint(chat: HFChatFormat, needs: ConversationNeeds) -> str:
+    """How to make the job renderable, where flowrl knows one."""
+    if "tool" in needs.observation_roles and chat.tool_role == "tool":
+        after_reply = list(PROBE_CONVERSATION[1:3])
+        if chat.refusal([*after_reply, {"role": "tool", "content": "42"}]) is not None:
+            return "; set model.tool_messages: user to send tool results as user turns"
+    return ""
+
+
+def check_chat_template(
+    uri: str,
+    chat_format: str = "auto",
+    tool_messages: str = "auto",
+    task: TaskConfig | None = None,
+) -> None:
+    """Before a job starts: ``probe`` the chat template of a local ``model.source`` folder with
+    what the environment of ``task`` sends (unknown: everything; ``tiny`` is flowrl's own
+    format; a remote or registry source is probed where the job fetches it). Raises
+    ``ChatTemplateError`` naming the folder and the refused message or first difference."""
     if uri == "tiny" or ("://" in uri and not uri.startswith("file://")):
         return
-    probe(HFChatFormat.from_folder(resolve_model_uri(uri, cache_dir=""), chat_format))
+    folder = resolve_model_uri(uri, cache_dir="")
+    chat = HFChatFormat.from_folder(folder, chat_format, tool_messages=tool_messages)
+    probe(chat, conversation_needs(task) if task is not None else ConversationNeeds())

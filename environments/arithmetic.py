@@ -26,6 +26,9 @@ _MAX_REDRAWS = 64
 class ArithmeticEnv:
     """One question, one answer: reward 1.0 iff the stripped action equals the answer."""
 
+    observation_roles: tuple[str, ...] = ()
+    """Single-turn: no observation follows the answer (``types.OBSERVATION_ROLES``)."""
+
     def __init__(self, system_prompt: str = "") -> None:
         self.system_prompt = system_prompt
         self._question: str | None = None

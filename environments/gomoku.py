@@ -211,6 +211,9 @@ def format_move(move: Move, move_format: MoveFormat = "row,col", size: int = 3) 
 class GomokuEnv:
     """The policy (X) against a ``HeuristicPlayer`` (O); one policy move per turn."""
 
+    observation_roles = ("user",)
+    """The board after each move is a user turn (``types.OBSERVATION_ROLES``)."""
+
     def __init__(self, task: GomokuTask) -> None:
         self.task = task
         self.board = GomokuBoard(task.size, task.win_length)

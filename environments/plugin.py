@@ -20,6 +20,7 @@ from typing import Any
 
 from flowrl.environments.data import GeneratedSource, StaticSource, load_rows
 from flowrl.environments.registry import Loaded, construct
+from flowrl.environments.timeouts import DEFAULT_STEP_TIMEOUT_S, TimedEnv
 from flowrl.environments.types import OBSERVATION_ROLE_KEY, DataSource, Environment
 
 TRAIN_SEED_SPACING = 1_000_000
@@ -122,9 +123,10 @@ def play(env: Environment, row: dict[str, Any], actions: list[str]) -> list[dict
     return messages
 
 
-def check_environment(task: Any) -> None:
+def check_environment(task: Any, timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> None:
     """Before a job starts: an environment given as a class constructs from its params and
-    one ``reset`` on its first training row succeeds. Raises ``ValueError`` naming the cause.
+    one ``reset`` on its first training row succeeds within ``timeout_s`` seconds. Raises
+    ``ValueError`` naming the cause.
     (A task config was checked by validating its params.)"""
     if not isinstance(task, PluginTask):
         return
@@ -139,7 +141,7 @@ def check_environment(task: Any) -> None:
     except (OSError, ValueError) as exc:
         raise ValueError(f"environment {name!r}: cannot read its first row: {exc}") from exc
     try:
-        first_user_message(env, env.reset(**row))
+        first_user_message(env, TimedEnv(env, timeout_s).reset(**row))
     except Exception as exc:
         shown = repr(row) if len(repr(row)) <= 200 else repr(row)[:200] + "…"
         raise ValueError(

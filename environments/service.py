@@ -20,7 +20,10 @@ started with (``--env``, repeatable: an installed entry point's name or ``packag
 importable here), or, with none, every installed environment (entry points
 ``flowrl.environments``); any other name is refused with 403 before anything is imported.
 An environment that raises answers 500 with the error text, so the client's episode fails and
-the others go on.
+the others go on. Each ``reset`` and ``step`` gets the ``step_timeout_s`` the client sent with
+the reset, at most ``--step-timeout`` seconds: an overrun answers 504 ("step timed out after
+60 s") and drops the episode; the call's thread cannot be killed and runs on until it returns,
+its result dropped (``environments.timeouts``).
 
 Tenancy and limits (a multi-tenant service on a network):
 
@@ -36,6 +39,9 @@ Tenancy and limits (a multi-tenant service on a network):
   ``--max-bytes-per-owner`` bytes of requests held by them (429); episodes idle for
   ``--episode-ttl`` seconds are dropped; uvicorn's concurrency, keep-alive and header-size limits
   are set. Every malformed request is a 4xx with a one-line reason, never a traceback.
+  Request handlers run in a thread pool: the episode table is read and changed under one lock,
+  and a reset reserves its slot (limits checked and slot taken in one step) before it builds
+  the environment, so concurrent resets never pass a limit together.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import hmac
 import ipaddress
 import json
 import os
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -61,6 +68,7 @@ from pydantic import BaseModel, Field
 
 from flowrl.environments.plugin import first_user_message
 from flowrl.environments.registry import env_builder, installed_names, load
+from flowrl.environments.timeouts import DEFAULT_STEP_TIMEOUT_S, EnvTimeoutError, call_with_timeout
 from flowrl.environments.types import (
     Environment,
     from_wire,
@@ -82,6 +90,9 @@ class ResetRequest(BaseModel):
     episode_id: str = _ID
     env: EnvSpec
     row: dict[str, Any] = Field(default_factory=dict)
+    step_timeout_s: float | None = Field(
+        default=None, gt=0, le=86_400, description="Seconds each reset and step may take."
+    )
 
 
 class StepRequest(BaseModel):
@@ -99,14 +110,18 @@ class Limits:
     max_bytes_per_owner: int = 256 * 2**20
     max_body_bytes: int = 2**20
     episode_ttl_s: float = 900.0
+    step_timeout_s: float = DEFAULT_STEP_TIMEOUT_S
+    """The longest a reset or step may take, whatever a client asks."""
 
 
 @dataclass
 class _Episode:
-    env: Environment
+    env: Environment | None
+    """None while its reset runs (the slot is reserved)."""
     owner: str
     job: str
     nbytes: int
+    timeout_s: float
     used: float = field(default_factory=time.monotonic)
 
 
@@ -133,7 +148,9 @@ def create_app(
     episodes: dict[tuple[str, str, str], _Episode] = {}
     counters: Counter[str] = Counter()
     held: Counter[str] = Counter()  # bytes of requests held by each owner's live episodes
+    live: Counter[str] = Counter()  # each owner's live episodes
     swept = [0.0]
+    table = threading.Lock()  # guards episodes, counters, held, live and swept
     by_token = {secrets_key(t): owner for t, owner in (tokens or {}).items()}
 
     @app.middleware("http")
@@ -160,25 +177,54 @@ def create_app(
 
     def _sweep() -> None:
         now = time.monotonic()
-        if now - swept[0] < 1.0:
-            return
-        swept[0] = now
-        for key in [k for k, e in episodes.items() if now - e.used > limits.episode_ttl_s]:
-            _drop(key)
+        with table:
+            if now - swept[0] < 1.0:
+                return
+            swept[0] = now
+            for key in [k for k, e in episodes.items() if now - e.used > limits.episode_ttl_s]:
+                _drop_locked(key)
 
-    def _drop(key: tuple[str, str, str]) -> bool:
+    def _drop_locked(key: tuple[str, str, str], only: _Episode | None = None) -> bool:
+        """Drop an episode (``only``: if it is still that one); the caller holds ``table``."""
+        if only is not None and episodes.get(key) is not only:
+            return False
         gone = episodes.pop(key, None)
         if gone is not None:
             held[gone.owner] -= gone.nbytes
+            live[gone.owner] -= 1
         return gone is not None
 
+    def _drop(key: tuple[str, str, str], only: _Episode | None = None) -> bool:
+        with table:
+            return _drop_locked(key, only)
+
     def episode(owner: str, job: str, episode_id: str) -> _Episode:
-        try:
-            found = episodes[(owner, job, episode_id)]
-        except KeyError:
-            raise HTTPException(404, f"no live episode {episode_id!r} of job {job!r}") from None
-        found.used = time.monotonic()
-        return found
+        with table:
+            found = episodes.get((owner, job, episode_id))
+            if found is None or found.env is None:
+                raise HTTPException(404, f"no live episode {episode_id!r} of job {job!r}")
+            found.used = time.monotonic()
+            return found
+
+    def reserve(owner: str, req: ResetRequest, nbytes: int) -> _Episode:
+        """Check the limits and take the episode's slot in one step (a reset replaces the
+        caller's own episode of that id)."""
+        timeout_s = min(req.step_timeout_s or limits.step_timeout_s, limits.step_timeout_s)
+        with table:
+            _drop_locked((owner, req.job, req.episode_id))
+            if len(episodes) >= limits.max_episodes:
+                raise HTTPException(503, f"too many live episodes ({limits.max_episodes})")
+            if live[owner] >= limits.max_episodes_per_owner:
+                raise HTTPException(429, f"at most {limits.max_episodes_per_owner} live episodes")
+            if held[owner] + nbytes > limits.max_bytes_per_owner:
+                raise HTTPException(
+                    429, f"live episodes hold over {limits.max_bytes_per_owner} bytes"
+                )
+            slot = _Episode(None, owner, req.job, nbytes, timeout_s)
+            episodes[(owner, req.job, req.episode_id)] = slot
+            held[owner] += nbytes
+            live[owner] += 1
+            return slot
 
     @app.get("/health")
     def health() -> dict[str, str]:
@@ -187,49 +233,55 @@ def create_app(
     @app.post("/reset")
     def reset(req: ResetRequest, request: Request) -> dict[str, Any]:
         owner: str = request.state.owner
-        nbytes = int(request.headers["content-length"])
-        _drop((owner, req.job, req.episode_id))  # a reset replaces the caller's own episode
-        if len(episodes) >= limits.max_episodes:
-            raise HTTPException(503, f"too many live episodes ({limits.max_episodes})")
-        mine = sum(1 for e in episodes.values() if e.owner == owner)
-        if mine >= limits.max_episodes_per_owner:
-            raise HTTPException(429, f"at most {limits.max_episodes_per_owner} live episodes")
-        if held[owner] + nbytes > limits.max_bytes_per_owner:
-            raise HTTPException(429, f"live episodes hold over {limits.max_bytes_per_owner} bytes")
-        if req.env.name not in served:
-            raise HTTPException(
-                403, f"environment {req.env.name!r} is not served here; served: {served}"
-            )
+        key = (owner, req.job, req.episode_id)
+        slot = reserve(owner, req, int(request.headers["content-length"]))
         try:
-            env = _builder(req.env.name, json.dumps(req.env.params, sort_keys=True))()
-            observation = first_user_message(env, env.reset(**from_wire(req.row)))
-            images = shown_images(env)
+            if req.env.name not in served:
+                raise HTTPException(
+                    403, f"environment {req.env.name!r} is not served here; served: {served}"
+                )
+            params = json.dumps(req.env.params, sort_keys=True)
+            opened = call_with_timeout(
+                _open, slot.timeout_s, "reset", req.env.name, params, req.row
+            )
+        except HTTPException:
+            _drop(key, only=slot)
+            raise
+        except EnvTimeoutError as exc:
+            _drop(key, only=slot)
+            raise HTTPException(504, str(exc)) from None
         except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
+            _drop(key, only=slot)
             raise HTTPException(400, f"reset refused: {str(exc)[:300]}") from None
         except Exception as exc:  # the episode fails, not the service
+            _drop(key, only=slot)
             raise HTTPException(500, f"reset failed: {exc!r}"[:300]) from None
-        episodes[(owner, req.job, req.episode_id)] = _Episode(env, owner, req.job, nbytes)
-        held[owner] += nbytes
-        return {
-            "observation": observation,
-            "system_prompt": env.get_system_prompt(),
-            "images": to_wire(images),
-        }
+        env, answer = opened
+        with table:
+            if episodes.get(key) is not slot:  # deleted, swept or reset again meanwhile
+                raise HTTPException(409, f"episode {req.episode_id!r} was ended during its reset")
+            slot.env, slot.used = env, time.monotonic()
+        return answer
 
     @app.post("/step")
     def step(req: StepRequest, request: Request) -> dict[str, Any]:
         owner: str = request.state.owner
         key = (owner, req.job, req.episode_id)
-        env = episode(*key).env
+        found = episode(*key)
         try:
-            result = env.step(req.action)
-            images = [] if result.done else shown_images(env)
+            result, images = call_with_timeout(
+                _step, found.timeout_s, "step", found.env, req.action
+            )
+        except EnvTimeoutError as exc:  # the episode is given up; its thread runs on
+            _drop(key, only=found)
+            raise HTTPException(504, str(exc)) from None
         except Exception as exc:
-            _drop(key)
+            _drop(key, only=found)
             raise HTTPException(500, f"step failed: {exc!r}"[:300]) from None
-        counters[owner] += 1
-        if result.done:
-            _drop(key)
+        with table:
+            counters[owner] += 1
+            if result.done:
+                _drop_locked(key, only=found)
         return step_fields(result) | {"images": to_wire(images)}
 
     @app.delete("/episodes/{job}/{episode_id}")
@@ -241,10 +293,31 @@ def create_app(
     @app.get("/stats")
     def stats(request: Request) -> dict[str, Any]:
         owner: str = request.state.owner
-        jobs = Counter(e.job for e in episodes.values() if e.owner == owner)
-        return {"episodes": sum(jobs.values()), "jobs": dict(jobs), "steps": counters[owner]}
+        with table:
+            jobs = Counter(e.job for e in episodes.values() if e.owner == owner)
+            steps = counters[owner]
+        return {"episodes": sum(jobs.values()), "jobs": dict(jobs), "steps": steps}
 
     return app
+
+
+def _open(name: str, params_json: str, row: dict[str, Any]) -> tuple[Environment, dict[str, Any]]:
+    """Build and reset an episode's environment: (it, the reset's answer)."""
+    env = _builder(name, params_json)()
+    observation = first_user_message(env, env.reset(**from_wire(row)))
+    images = shown_images(env)
+    answer = {
+        "observation": observation,
+        "system_prompt": env.get_system_prompt(),
+        "images": to_wire(images),
+    }
+    return env, answer
+
+
+def _step(env: Environment, action: str) -> tuple[Any, list[bytes]]:
+    """One step and the images shown with its observation."""
+    result = env.step(action)
+    return result, [] if result.done else shown_images(env)
 
 
 @lru_cache(maxsize=256)
@@ -317,7 +390,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-episodes-per-owner", type=int, default=Limits.max_episodes_per_owner)
     parser.add_argument("--max-bytes-per-owner", type=int, default=Limits.max_bytes_per_owner)
     parser.add_argument("--episode-ttl", type=float, default=Limits.episode_ttl_s)
+    parser.add_argument(
+        "--step-timeout",
+        type=float,
+        default=Limits.step_timeout_s,
+        help="the longest one reset or step may take (a client may ask for less); 504 after",
+    )
     args = parser.parse_args(argv)
+    if args.step_timeout <= 0:
+        parser.error(f"--step-timeout must be > 0, got {args.step_timeout}")
     tokens = read_tokens(args.tokens_file)
     if not tokens:
         if not args.insecure_loopback:
@@ -334,6 +415,7 @@ def main(argv: list[str] | None = None) -> None:
         max_bytes_per_owner=args.max_bytes_per_owner,
         max_body_bytes=args.max_body_bytes,
         episode_ttl_s=args.episode_ttl,
+        step_timeout_s=args.step_timeout,
     )
     app = create_app(serves=args.env, tokens=tokens, limits=limits)
     uvicorn.run(

@@ -82,6 +82,9 @@ def parse_tool_call(action: str) -> str | None:
 class ToolMathEnv:
     """One question; tool calls answered as TOOL messages; the first plain turn is the answer."""
 
+    observation_roles = ("tool",)
+    """Every observation answers a tool call (``types.OBSERVATION_ROLES``)."""
+
     def __init__(
         self,
         system_prompt: str = DEFAULT_SYSTEM_PROMPT,

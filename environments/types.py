@@ -30,6 +30,9 @@ OBSERVATION_ROLE_KEY = "observation_role"
 """``StepResult.info`` key naming the role of the observation's message (``"user"`` when absent,
 ``"tool"`` for a tool's answer)."""
 OBSERVATION_ROLES = ("user", "tool")
+"""The observation roles. An environment class may declare the ones it sends as the class
+attribute ``observation_roles`` (e.g. ``("user",)``; ``()`` when single-turn), so that the
+start-of-job chat-template probe renders only those; undeclared, it may send both."""
 
 
 @runtime_checkable

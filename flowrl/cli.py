@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
 
     try:  # before any server or worker starts
         check_model_source(config.model.source)
-        check_chat_template(config.model.source, config.model.chat_format)
+        model, env = config.model, getattr(config, "env", None)
+        task = env.task(config.seed) if env is not None and args.command == "train" else None
+        check_chat_template(model.source, model.chat_format, model.tool_messages, task)
     except ValueError as err:
         print(f"flowrl: {err}", file=sys.stderr)
         return 2

@@ -128,6 +128,7 @@ class JobRun:
         self._logged: list[Future] = []
         self._unsent: list[tuple[dict[str, float], int]] = []
         self._unsent_since = 0.0
+        self._logged_through: dict[str, int] = {}  # a continued run's last step of each metric
 
     def __enter__(self) -> JobRun:
         get_settings().apply_to_environment()
@@ -156,6 +157,10 @@ class JobRun:
         run_id = tracking.start_run(
             self.config.experiment, self.config.name, params, previous, self.ctx.namespace
         )
+        if run_id == previous:
+            # Steps after the last checkpoint run again; the points a killed run already sent
+            # for them stay and are not logged twice.
+            self._logged_through = tracking.logged_through(run_id)
         self.storage.write_json(job_file, {"mlflow_run_id": run_id, "config": params})
         return run_id
 
@@ -235,7 +240,12 @@ class JobRun:
         """Log ``metrics`` at ``step`` to the MLflow run, asynchronously and in order: written
         every ``METRIC_WRITE_STEPS`` calls or ``METRIC_WRITE_SECONDS``, whichever comes first,
         and all of them before a checkpoint (``flush_metrics``) and before the run finishes or
-        fails."""
+        fails. A continued run skips what it logged before at that step (or later)."""
+        if self._logged_through:
+            seen = self._logged_through
+            metrics = {k: v for k, v in metrics.items() if step > seen.get(k, -1)}
+            if not metrics:
+                return
         if not self._unsent:
             self._unsent_since = time.monotonic()
         self._unsent.append((metrics, step))

@@ -4,11 +4,15 @@
    promote the first version — recorded as ``bootstrap``);
 2. train a challenger with the ``rl-train`` flow as a subflow (``model.source`` =
    ``models:/<name>@champion``, a fresh job name and seed, so new data and no resume);
-3. evaluate champion and challenger with the same code on the same held-out set;
+3. evaluate champion and challenger with the same code on the same held-out set, each on
+   workers started under the round's GPU slots (the round's ``JobRun``, entered after training
+   so that it never holds slots while its subflow waits for its own);
 4. move the alias to the challenger only if it beats the champion by ``min_improvement``.
 
-Every decision is recorded on an MLflow run (metrics + tags), on the challenger's model version
-(tags) and as a Prefect markdown artifact. Deployed on a cron schedule (``prefect.yaml``).
+Every decision is recorded on the round's MLflow run (the gate's config as params, the decision
+as tags, both accuracies as metrics), in ``jobs/<job.name>-retrain/job.json`` and
+``result.json``, on the challenger's model version (tags) and as a Prefect markdown artifact.
+Deployed on a cron schedule (``prefect.yaml``).
 """
 
 from __future__ import annotations
@@ -19,12 +23,14 @@ from prefect import flow
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
+from flowrl.backends.actors import stop_policy
+from flowrl.flows.lifecycle import JobRun, task_runner
 from flowrl.flows.rl import rl_train
 from flowrl.infra import tracking
 from flowrl.infra.settings import get_settings
 from flowrl.tasks.common import derived_seed
 from flowrl.tasks.jobs import RetrainConfig, RLJobConfig
-from flowrl.tasks.model import evaluate_model
+from flowrl.tasks.rl import evaluate
 
 
 @dataclass(frozen=True)
@@ -57,45 +63,54 @@ def challenger_job(config: RetrainConfig, round_id: str, champion: str | None) -
     )
 
 
-@flow(name="retrain", log_prints=True)
+@flow(name="retrain", task_runner=task_runner(), log_prints=True)
 def retrain(config: RetrainConfig = RetrainConfig()) -> RetrainDecision:  # noqa: B008
     get_settings().apply_to_environment()
     name = config.job.registered_model_name
     round_id = (flow_run.get_id() or "local0000")[:8]
     champion = tracking.alias_version(name, config.alias)
-    trained = rl_train(challenger_job(config, round_id, champion))
+    trained = rl_train(challenger_job(config, round_id, champion))  # holds its own GPU slots
     challenger = trained.model_uri.rsplit("/", 1)[1]
-    champ_acc = evaluate_model(config.job, f"models:/{name}/{champion}") if champion else None
-    chall_acc = evaluate_model(config.job, trained.model_uri)
-    promote = should_promote(champ_acc, chall_acc, config.min_improvement)
-    decision = ("promoted" if champion else "bootstrap") if promote else "kept"
-    if promote:
-        tracking.set_alias(name, config.alias, challenger)
-    return record_decision(
-        config, RetrainDecision(name, champion, challenger, champ_acc, chall_acc, decision, "")
-    )
+    with JobRun(config) as job:
+        champion_uri = f"models:/{name}/{champion}"
+        champ_acc = accuracy(job, config.job, champion_uri, "champion") if champion else None
+        chall_acc = accuracy(job, config.job, trained.model_uri, "challenger")
+        promote = should_promote(champ_acc, chall_acc, config.min_improvement)
+        decision = ("promoted" if champion else "bootstrap") if promote else "kept"
+        if promote:
+            tracking.set_alias(name, config.alias, challenger)
+        d = RetrainDecision(name, champion, challenger, champ_acc, chall_acc, decision, job.run_id)
+        record_decision(config, job, d)
+        job.finish(d, table=("retrain/champion_accuracy", "retrain/challenger_accuracy"))
+    return d
 
 
-def record_decision(config: RetrainConfig, d: RetrainDecision) -> RetrainDecision:
-    """MLflow run (metrics, tags), challenger version tags, Prefect markdown artifact."""
-    c = tracking.client()
+def accuracy(job: JobRun, template: RLJobConfig, model_uri: str, role: str) -> float:
+    """Greedy held-out accuracy of a registered model (training's eval task, on ``template``'s
+    environment), on workers started for it under the round's GPU slots and stopped before the
+    next model's start."""
+    policy = job.start_policy(model_uri, f"{job.ctx.run_name}-{role}")
+    try:
+        return evaluate.submit(template, job.ctx, model_uri, policy).result().accuracy
+    finally:
+        stop_policy(policy)
+
+
+def record_decision(config: RetrainConfig, job: JobRun, d: RetrainDecision) -> None:
+    """The round's MLflow run (decision tags, accuracies), the challenger version's tags, and
+    the Prefect markdown artifact; the params are the round's config, written by ``JobRun``."""
     tags = {
         "flowrl.retrain.decision": d.decision,
         "flowrl.retrain.champion_version": str(d.champion_version),
         "flowrl.retrain.challenger_version": d.challenger_version,
         "flowrl.retrain.min_improvement": str(config.min_improvement),
     }
-    namespace = get_settings().namespace
-    run_id = tracking.start_run(
-        config.job.experiment, f"retrain-{d.model_name}", tags, namespace=namespace
-    )
-    for key, value in tags.items():
-        c.set_tag(run_id, key, value)
+    tracking.set_tags(job.run_id, tags)
     metrics = {"retrain/challenger_accuracy": d.challenger_accuracy}
     if d.champion_accuracy is not None:
         metrics["retrain/champion_accuracy"] = d.champion_accuracy
-    tracking.log_metrics(run_id, metrics, step=0)
-    tracking.end_run(run_id)
+    job.log(metrics, step=0)
+    c = tracking.client()
     for key, value in tags.items():
         c.set_model_version_tag(d.model_name, d.challenger_version, key, value)
     champ = "none" if d.champion_accuracy is None else f"{d.champion_accuracy:.3f}"
@@ -112,4 +127,3 @@ def record_decision(config: RetrainConfig, d: RetrainDecision) -> RetrainDecisio
             f"{d.challenger_version if d.decision != 'kept' else d.champion_version}."
         ),
     )
-    return RetrainDecision(**{**d.__dict__, "mlflow_run_id": run_id})

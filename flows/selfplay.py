@@ -5,6 +5,10 @@ checkpoint, registry entry) or one shared policy plays every side.
 Phase barriers: every step runs ``duel-rollout`` (all games of both agents) to completion before
 any ``update`` starts, and every agent's update (with its weight sync) completes before the
 next rollout starts; Prefect's task-run records (start/end times) show it.
+
+Every ``checkpoint_every`` steps every policy is checkpointed; resubmitting a job with the same
+name resumes all of them from the last step they all committed (each step's openings and
+sampling seeds are derived from the step, so the resumed steps play the same games).
 """
 
 from __future__ import annotations
@@ -17,11 +21,13 @@ from flowrl.backends.actors import PolicyRef
 from flowrl.flows.lifecycle import JobRun, due, task_runner
 from flowrl.tasks.jobs import SelfPlayJobConfig
 from flowrl.tasks.model import prepare_model, register, warmup
-from flowrl.tasks.rl import checkpoint, score, update
+from flowrl.tasks.rl import score, update
 from flowrl.tasks.selfplay import (
     agent_context,
+    checkpoint_policies,
     duel_rollout,
     head_to_head,
+    restore_policies,
     trained_policies,
     versus_opponent,
 )
@@ -36,6 +42,10 @@ class SelfPlayResult:
     """Final success share of each trained policy against the game's reference opponent
     (Gomoku: win or draw against the heuristic)."""
     mlflow_run_id: str
+    steps: int
+    """Self-play steps done in total (including those before a resume)."""
+    resumed_from: int | None
+    """The checkpoint step this run resumed from, or None for a fresh start."""
 
 
 @flow(name="self-play", task_runner=task_runner(), log_prints=True)
@@ -51,7 +61,8 @@ def self_play(config: SelfPlayJobConfig = SelfPlayJobConfig()) -> SelfPlayResult
         adopt = dict.fromkeys(owners[:1], warm.workers)
         refs = {o: job.start_policy(model_uri, ctxs[o].run_name, adopt.get(o)) for o in owners}
         by_agent = {a: refs["shared" if config.shared_policy else a] for a in config.agents}
-        for step in job.steps(0, config.schedule.steps):
+        start = restore_policies.submit(ctxs, refs).result()
+        for step in job.steps(start, config.schedule.steps):
             # Barrier 1: the rollout phase (every game of every agent) ends before any update.
             duel = duel_rollout.submit(config, job.ctx, model_uri, by_agent, step).result()
             scored = {o: score.submit(config, ctxs[o], refs[o], duel.batches[o]) for o in owners}
@@ -66,17 +77,20 @@ def self_play(config: SelfPlayJobConfig = SelfPlayJobConfig()) -> SelfPlayResult
             job.advance(step + 1, **outcomes)
             if due(step, config.schedule.steps, config.schedule.eval_every, at_end=True):
                 job.log(_evaluate(config, job, model_uri, refs, by_agent), step + 1)
+            if due(step, config.schedule.steps, config.schedule.checkpoint_every, at_end=True):
+                job.flush_metrics()  # the steps a checkpoint keeps keep their metrics
+                checkpoint_policies.submit(config, ctxs, refs, step + 1).result()
         final = _evaluate(config, job, model_uri, refs, by_agent)
         job.flush_metrics()  # the versions link the run's own points of their metrics
         uris = {}
         for o in owners:
-            checkpoint.submit(config, ctxs[o], refs[o], config.schedule.steps, {}).result()
             named = config.model_copy(update={"register_as": f"{config.model_name}-{o}"})
             metrics = {k: v for k, v in final.items() if k.startswith(f"eval/{o}/")}
             submitted = register.submit(named, ctxs[o], refs[o], job.run_id, metrics, base_uri)
             uris[o] = submitted.result()
         scores = {o: final[f"eval/{o}/accuracy"] for o in owners}
-        result = SelfPlayResult(config.name, uris, scores, job.run_id)
+        resumed = start or None
+        result = SelfPlayResult(config.name, uris, scores, job.run_id, job.done_steps, resumed)
         outcome = tuple(f"agent-{a}/outcome" for a in config.agents)
         job.finish(result, table=outcome + tuple(f"eval/{o}/accuracy" for o in owners))
     logger.info("score vs heuristic %s; registered %s", scores, uris)

@@ -124,8 +124,9 @@ class Settings(BaseSettings):
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-WORKER_ENV_PREFIXES = ("FLOWRL_", "MLFLOW_", "AWS_")
-"""Settings and credentials a job's Ray tasks and actors read from their environment."""
+WORKER_ENV_PREFIXES = ("FLOWRL_", "MLFLOW_", "AWS_", "ATEN_CPU_CAPABILITY", "MKL_CBWR", "ONEDNN_")
+"""Settings and credentials a job's Ray tasks and actors read from their environment, and the
+CPU-kernel caps (ATen, MKL, oneDNN) that make a run's numbers the same on any x86-64 CPU."""
 
 
 def worker_environment() -> dict[str, str]:

@@ -141,6 +141,15 @@ def log_series(run_id: str, name: str, values: list[float], first_step: int) -> 
     client().log_batch(run_id, metrics=batch)
 
 
+def logged_through(run_id: str) -> dict[str, int]:
+    """The last step logged of each metric of the run (a continued run logs no step twice)."""
+    c = client()
+    return {
+        key: max(point.step for point in c.get_metric_history(run_id, key))
+        for key in c.get_run(run_id).data.metrics
+    }
+
+
 def set_tags(run_id: str, tags: dict[str, str]) -> None:
     client().log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
 

@@ -20,11 +20,15 @@ from flowrl.tasks.types import EvalResult
 
 
 @lru_cache(maxsize=8)
-def chat_format(model_uri: str, cache_dir: str, name: str = "auto") -> HFChatFormat:
+def chat_format(
+    model_uri: str, cache_dir: str, name: str = "auto", tool_messages: str = "auto"
+) -> HFChatFormat:
     """The policy's chat format (tokenizer, template, generation config and processor settings
-    only: tasks never load weights), checked by ``probe`` the first time a job asks for it.
+    only: tasks never load weights), checked by ``probe`` the first time a job asks for it
+    (on what the template accepts; ``prepare_model`` probes what the environment sends).
     Control tokens inside environment text stay text."""
-    chat = HFChatFormat.from_folder(resolve_model_uri(model_uri, cache_dir), chat_format=name)
+    folder = resolve_model_uri(model_uri, cache_dir)
+    chat = HFChatFormat.from_folder(folder, chat_format=name, tool_messages=tool_messages)
     probe(chat)
     return chat
 

@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flowrl.agent_loop.types import Trajectory
 from flowrl.backends.actors import PolicyRef
+from flowrl.environments.remote import env_factory_for
 from flowrl.infra.storage import Storage
 from flowrl.tasks.common import (
     chat_format,
@@ -41,17 +42,28 @@ def _episode_line(t: Trajectory, success: str) -> str:
 def infer(
     config: InferenceJobConfig, ctx: JobContext, model_uri: str, policy: PolicyRef
 ) -> InferenceOutput:
-    """Run the episodes, write them as JSONL (one episode per line: messages, reward, correct,
-    tokens, stop reason); returns where the file is and the metrics."""
+    """Run the episodes where ``env.mode`` says (in this process, on the job's environment
+    actors, or on the environment service), as rollouts do; write them as JSONL (one episode
+    per line: messages, reward, correct, tokens, stop reason); returns where the file is and
+    the metrics."""
     task_cfg = config.env.task(config.seed)
     if config.data == "eval":
         rows = task_cfg.eval_set()[: config.num_prompts]
     else:
         rows = task_cfg.train_source().next_batch(config.num_prompts)
-    chat = chat_format(model_uri, ctx.cache_dir, config.model.chat_format)
+    chat = chat_format(
+        model_uri, ctx.cache_dir, config.model.chat_format, config.model.tool_messages
+    )
     limits = config.rollout.limits(greedy=config.greedy)
     trajectories = run_group_episodes(
-        task_cfg, rows, config.samples_per_prompt, policy, chat, limits, config.seed, "inf"
+        env_factory_for(config.env, ctx.run_name),
+        rows,
+        config.samples_per_prompt,
+        policy,
+        chat,
+        limits,
+        config.seed,
+        "inf",
     )
     rel = f"{ctx.prefix}/inference/trajectories.jsonl"
     storage = Storage(ctx.storage_url)

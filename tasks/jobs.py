@@ -125,6 +125,13 @@ class EnvSection(_Section):
         description="Base URL of the environment service (mode http): http:// or https://.",
     )
     ray_actors: int = Field(default=2, ge=1, le=1024, description="Actors in the pool (mode ray).")
+    step_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=86_400,
+        description="Seconds one reset or step of the environment may take, in every mode; an "
+        "overrun fails that episode alone (env/stop_error, rollout/failed_episodes).",
+    )
 
     @field_validator("params")
     @classmethod
@@ -142,7 +149,7 @@ class EnvSection(_Section):
     def _check_environment(self) -> EnvSection:
         if self.mode == "http" and not self.service_url:
             raise ValueError("env.mode 'http' needs env.service_url")
-        check_environment(self.task())  # import, API, params, one reset: each error named
+        check_environment(self.task(), self.step_timeout_s)  # import, API, params, one reset
         return self
 
     def task(self, seed: int = 0) -> TaskConfig:
@@ -167,10 +174,19 @@ class ModelSection(_Section):
         "models:/name@alias.",
     )
     tiny: TinyModelSpec = Field(default_factory=TinyModelSpec, description="Tiny model shape.")
-    chat_format: Literal["auto", "flowrl", "chatml", "qwen3", "llama3", "template"] = Field(
+    chat_format: Literal[
+        "auto", "flowrl", "chatml", "qwen3", "llama3", "gemma3", "mistral", "template"
+    ] = Field(
         default="auto",
         description="Chat template family: auto (detected from the template), flowrl, chatml "
-        "(Qwen2.5), qwen3, llama3, or template (any other; the start-of-job probe decides).",
+        "(Qwen2.5), qwen3, llama3, gemma3, mistral (instruct), or template (any other; the "
+        "start-of-job probe decides).",
+    )
+    tool_messages: Literal["auto", "tool", "user"] = Field(
+        default="auto",
+        description="How tool observations reach the chat template: tool (its tool role), user "
+        "(as user turns, for families without a tool role: Gemma 3, Mistral instruct), or auto "
+        "(user when the template refuses a tool message but accepts a user one).",
     )
     lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA or full RL.")
 
@@ -654,6 +670,35 @@ class RetrainConfig(_Section):
         description="Promote only if challenger accuracy > champion + this (0..1: a worse "
         "model never takes the alias).",
     )
+
+    # What ``JobRun`` reads of a job, for the round's own run (its gate, with the template's
+    # experiment, workers and GPU slots): job.json, result.json and one MLflow run per round.
+    @property
+    def name(self) -> str:
+        """The round's job name: ``jobs/<job.name>-retrain/`` and its MLflow run's name."""
+        return f"{self.job.name[:55]}-retrain"
+
+    @property
+    def seed(self) -> int:
+        return self.job.seed
+
+    @property
+    def experiment(self) -> str:
+        return self.job.experiment
+
+    @property
+    def resources(self) -> ResourcesSection:
+        return self.job.resources
+
+    @property
+    def env(self) -> EnvSection:
+        return self.job.env
+
+    def worker_settings(self) -> dict[str, Any]:
+        return self.job.worker_settings()
+
+    def worker_plan(self) -> WorkerPlan:
+        return self.job.worker_plan()
 
 
 JOB_KINDS: dict[str, type[JobConfig]] = {

@@ -13,7 +13,8 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flowrl.backends.actors import PolicyRef, run_on_ray, start_policy, stop_policy, trainer
+from flowrl.backends.actors import PolicyRef, run_on_ray, stop_policy, trainer
+from flowrl.backends.chat import conversation_needs, probe
 from flowrl.backends.mlflow_model import save_chat_model
 from flowrl.backends.models import (
     CACHE_BOOKKEEPING,
@@ -30,11 +31,11 @@ from flowrl.backends.types import WorkerSpec
 from flowrl.environments import registry
 from flowrl.environments.data import ROW_FORMATS, StaticSource
 from flowrl.environments.plugin import play
+from flowrl.environments.timeouts import TimedEnv
 from flowrl.environments.types import TaskConfig
 from flowrl.infra import tracking
-from flowrl.infra.settings import get_settings
 from flowrl.infra.storage import Storage
-from flowrl.tasks.common import chat_format, derived_seed, evaluate_policy, stable_hash
+from flowrl.tasks.common import chat_format, evaluate_policy, stable_hash
 from flowrl.tasks.jobs import JOB_KINDS, JobConfig, RLJobConfig, TrainingJobConfig
 from flowrl.tasks.sft import chat_rows, sft_steps
 from flowrl.tasks.types import JobContext, WarmupResult
@@ -48,7 +49,10 @@ def prepare_model(cfg: JobConfig, ctx: JobContext) -> str:
     now), or a tiny model built once into storage."""
     if cfg.model.source != "tiny":
         uri = pin_model_uri(cfg.model.source)
-        chat_format(uri, ctx.cache_dir, cfg.model.chat_format)  # the probe, before any worker
+        chat = chat_format(uri, ctx.cache_dir, cfg.model.chat_format, cfg.model.tool_messages)
+        # The probe of what the job's environment sends, before any worker starts.
+        env = getattr(cfg, "env", None)
+        probe(chat, conversation_needs(env.task(cfg.seed)) if env is not None else None)
         _check_context(cfg, model_positions(resolve_model_uri(uri, ctx.cache_dir)))
         return uri
     _check_context(cfg, cfg.model.tiny.max_position_embeddings)
@@ -122,8 +126,8 @@ def warmup(
         return WarmupResult(base_uri, accuracy=None, steps=0, cached=False, skipped=why)
     storage = Storage(ctx.storage_url)
     code = _source_sha256(registry.load(cfg.env.name).target)  # an edited env re-runs warm-up
-    # Where episodes run (mode, service, actors) does not change what warm-up learns.
-    env = cfg.env.model_dump(exclude={"mode", "service_url", "ray_actors"})
+    # Where episodes run (mode, service, actors, deadline) does not change what warm-up learns.
+    env = cfg.env.model_dump(exclude={"mode", "service_url", "ray_actors", "step_timeout_s"})
     key = stable_hash(base_uri, env, cfg.warmup.model_dump(), cfg.seed, code)
     rel = f"{ctx.cache_prefix}/warmup-{key}"
     if storage.exists(f"{rel}/{DONE_MARKER}"):
@@ -157,14 +161,18 @@ def _sft_until(
     ``warmup.eval_every`` at a time, until held-out accuracy reaches the target or
     ``warmup.max_steps`` are done."""
     next_batch = _demonstrations(cfg, task_cfg)
-    chat = chat_format(base_uri, ctx.cache_dir, cfg.model.chat_format)
+    chat = chat_format(base_uri, ctx.cache_dir, cfg.model.chat_format, cfg.model.tool_messages)
     greedy = cfg.rollout.limits(greedy=True)
+
+    def timed(_episode_id: str) -> TimedEnv:  # in-process, with the job's deadline per call
+        return TimedEnv(task_cfg.make_env(), cfg.env.step_timeout_s)
+
     accuracy, step = 0.0, 0
     while step < cfg.warmup.max_steps:
         n = min(cfg.warmup.eval_every, cfg.warmup.max_steps - step)
         sft_steps(policy, chat, (next_batch(cfg.warmup.batch_size) for _ in range(n)))
         step += n
-        result = evaluate_policy(task_cfg, policy, chat, greedy, success=cfg.env.success)
+        result = evaluate_policy(task_cfg, policy, chat, greedy, timed, cfg.env.success)
         accuracy = result.accuracy
         if accuracy >= cfg.warmup.target_accuracy:
             break
@@ -261,19 +269,3 @@ def _example_messages(cfg: TrainingJobConfig) -> list[dict[str, str]]:
             if prompt and all(isinstance(m.get("content"), str) for m in prompt):
                 return [{"role": m["role"], "content": m["content"]} for m in prompt]
     return [{"role": "user", "content": "Hello"}]
-
-
-@task(name="evaluate-model", cache_policy=NO_CACHE)
-def evaluate_model(job: RLJobConfig, model_uri: str) -> float:
-    """Greedy held-out accuracy of a registered model (in-process workers, the same eval code
-    as training's): the retraining gate compares champion and challenger with it."""
-    cache_dir = get_settings().model_cache_dir
-    spec = WorkerSpec(model_uri=model_uri, cache_dir=cache_dir, seed=job.seed)
-    policy = start_policy(f"eval-{derived_seed(model_uri)}", spec, local=True)
-    try:
-        chat = chat_format(model_uri, cache_dir, job.model.chat_format)
-        limits = job.rollout.limits(greedy=True)
-        task_cfg = job.env.task(job.seed)
-        return evaluate_policy(task_cfg, policy, chat, limits, success=job.env.success).accuracy
-    finally:
-        stop_policy(policy)

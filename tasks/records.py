@@ -29,7 +29,8 @@ from flowrl.backends.types import Datum
 from flowrl.infra.storage import Storage
 
 MEMO_ENTRIES = 16
-"""Records held in memory (a step holds two: its trajectories and its data)."""
+"""Records held in memory (a step holds two per policy: its trajectories and its data; three
+with ``algorithm.kl_in: reward``, its rewards)."""
 
 _memo: OrderedDict[tuple[str, str], tuple[Storage, list[Any], Any]] = OrderedDict()
 _spilled: set[tuple[str, str]] = set()
@@ -59,6 +60,18 @@ def load_data(storage: Storage, rel: str) -> list[Datum]:
     if kept is not None:
         return kept
     return [Datum(**_from_json(row)) for row in json.loads(storage.read_bytes(rel))]
+
+
+def save_rows(storage: Storage, rel: str, rows: list[dict[str, Any]]) -> None:
+    """Small JSON rows (e.g. a step's rewards and group ids), held like the other records."""
+    _save(storage, rel, rows, dict)
+
+
+def load_rows(storage: Storage, rel: str) -> list[dict[str, Any]]:
+    kept = _kept(storage, rel)
+    if kept is not None:
+        return kept
+    return json.loads(storage.read_bytes(rel))
 
 
 def discard(storage: Storage, prefix: str) -> None:

@@ -28,8 +28,10 @@ from flowrl.tasks.jobs import RLJobConfig
 from flowrl.tasks.records import (
     discard,
     load_data,
+    load_rows,
     load_trajectories,
     save_data,
+    save_rows,
     save_trajectories,
 )
 from flowrl.tasks.types import EvalResult, JobContext, RolloutBatch, ScoredBatch, UpdateResult
@@ -57,7 +59,7 @@ def rollout(
         rows,
         cfg.rollout.group_size,
         policy,
-        chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format),
+        chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format, cfg.model.tool_messages),
         cfg.rollout.limits(),
         seed=derived_seed(cfg.seed, "rollout", step),
         id_prefix=f"s{step}",
@@ -109,8 +111,8 @@ def score(cfg: RLJobConfig, ctx: JobContext, policy: PolicyRef, batch: RolloutBa
     rel = f"{ctx.step_dir(batch.step)}/data.json"
     save_data(storage, rel, data)
     if _kl_in_reward(cfg):  # the update stage re-scores with the reference model's KL
-        groups = {"rewards": rewards, "group_ids": group_ids}
-        storage.write_json(f"{ctx.step_dir(batch.step)}/rewards.json", groups)
+        groups = [{"reward": r, "group_id": g} for r, g in zip(rewards, group_ids, strict=True)]
+        save_rows(storage, f"{ctx.step_dir(batch.step)}/rewards.json", groups)
     return ScoredBatch(
         batch.step,
         rel,
@@ -145,12 +147,12 @@ def update(
     data = load_data(storage, scored.data)
     kl_metrics: dict[str, float] = {}
     if _kl_in_reward(cfg):
-        rewards = storage.read_json(f"{ctx.step_dir(scored.step)}/rewards.json")
+        groups = load_rows(storage, f"{ctx.step_dir(scored.step)}/rewards.json")
         alg = cfg.algorithm
         advantages, kl_metrics = worker.kl_penalised_advantages(
             data,
-            rewards["rewards"],
-            rewards["group_ids"],
+            [g["reward"] for g in groups],
+            [g["group_id"] for g in groups],
             cfg.rollout.temperature,
             alg.kl_coef,
             alg.kl_estimator,
@@ -206,7 +208,7 @@ def weight_sync(policy: PolicyRef) -> float:
 @task(name="eval", cache_policy=NO_CACHE)
 def evaluate(cfg: RLJobConfig, ctx: JobContext, model_uri: str, policy: PolicyRef) -> EvalResult:
     """Greedy accuracy on the environment's fixed held-out set."""
-    chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format)
+    chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format, cfg.model.tool_messages)
     make_env = env_factory_for(cfg.env, ctx.run_name)
     limits = cfg.rollout.limits(greedy=True)
     return evaluate_policy(cfg.env.task(cfg.seed), policy, chat, limits, make_env, cfg.env.success)

@@ -15,9 +15,17 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flowrl.agent_loop.coordinator import run_multiagent_episodes
-from flowrl.backends.actors import PolicyRef
+from flowrl.backends.actors import PolicyRef, sync_weights, trainer
 from flowrl.environments.games import winner
-from flowrl.infra.storage import Storage
+from flowrl.environments.timeouts import TimedEnv
+from flowrl.infra.storage import (
+    POINTER,
+    CheckpointError,
+    Storage,
+    checkpoint_dir,
+    latest_checkpoint,
+    prune_checkpoints,
+)
 from flowrl.tasks.common import (
     SeededSampler,
     chat_format,
@@ -49,8 +57,8 @@ def _duel(
 ):
     limits = cfg.rollout.limits(greedy=greedy)
     samplers = {a: SeededSampler(p, derived_seed(seed, a)) for a, p in policies.items()}
-    envs = [games.make_game() for _ in rows]
-    chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format)
+    envs = [TimedEnv(games.make_game(), cfg.env.step_timeout_s) for _ in rows]
+    chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format, cfg.model.tool_messages)
     return envs, run_multiagent_episodes(envs, rows, samplers, chat, limits)
 
 
@@ -115,9 +123,54 @@ def versus_opponent(
     """Greedy games of ``policy`` playing ``sides`` against the game's reference opponent
     (Gomoku: the heuristic) on the held-out rows; accuracy is the share of successes."""
     task_cfg = cfg.games().versus(sides)
-    chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format)
+    chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format, cfg.model.tool_messages)
     limits = cfg.rollout.limits(greedy=True)
     return evaluate_policy(task_cfg, policy, chat, limits, success=cfg.env.success)
+
+
+@task(name="checkpoint", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5)
+def checkpoint_policies(
+    cfg: SelfPlayJobConfig,
+    ctxs: dict[str, JobContext],
+    policies: dict[str, PolicyRef],
+    step: int,
+) -> dict[str, str]:
+    """Commit every trained policy's resumable checkpoint after ``step`` steps, each under its
+    own prefix; only once all are committed are older ones pruned, so a kill between two
+    commits still leaves a step that every policy has (``restore_policies`` goes back to it)."""
+    uris = {
+        o: trainer(p).save_state(ctxs[o].storage_url, ctxs[o].checkpoint_prefix, step, {})
+        for o, p in policies.items()
+    }
+    for o in policies:
+        storage = Storage(ctxs[o].storage_url)
+        prune_checkpoints(storage, ctxs[o].checkpoint_prefix, cfg.schedule.keep_checkpoints)
+    return uris
+
+
+@task(name="restore", cache_policy=NO_CACHE)
+def restore_policies(ctxs: dict[str, JobContext], policies: dict[str, PolicyRef]) -> int:
+    """Resume every policy from the last step they all checkpointed (weights synced to their
+    samplers); the number of steps done, 0 for a fresh start.
+
+    A policy whose checkpoint is newer than another's (the job was killed between their
+    commits) is pointed back at the common step; the newer one is committed again later."""
+    prefixes = {o: (Storage(c.storage_url), c.checkpoint_prefix) for o, c in ctxs.items()}
+    latest = {o: latest_checkpoint(storage, prefix) for o, (storage, prefix) in prefixes.items()}
+    if any(step is None for step in latest.values()):
+        return 0  # some policy never checkpointed: all start afresh
+    common = min(step for step in latest.values() if step is not None)
+    for o, (storage, prefix) in prefixes.items():
+        if latest[o] != common:
+            path = checkpoint_dir(prefix, common).rsplit("/", 1)[-1]
+            storage.write_json(f"{prefix.strip('/')}/{POINTER}", {"step": common, "path": path})
+    for o, policy in policies.items():
+        meta = trainer(policy).load_state(ctxs[o].storage_url, ctxs[o].checkpoint_prefix)
+        if meta is None or meta["step"] != common:
+            found = None if meta is None else meta["step"]
+            raise CheckpointError(f"policy {o}: checkpoint of step {common} expected, got {found}")
+        sync_weights(policy)
+    return common
 
 
 def trained_policies(cfg: SelfPlayJobConfig) -> tuple[str, ...]:

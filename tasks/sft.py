@@ -151,7 +151,9 @@ def train_steps(
         for _ in range(num_steps)
     )
     losses, stats = sft_steps(
-        policy, chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format), batches
+        policy,
+        chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format, cfg.model.tool_messages),
+        batches,
     )
     seconds = time.perf_counter() - start
     metrics = {"train/grad_norm": stats["grad_norm"], "time/steps_per_s": num_steps / seconds}
@@ -171,7 +173,7 @@ def evaluate_exact_match(
     """Greedy answer to each held-out conversation's last assistant turn; exact match rate
     (after stripping whitespace)."""
     start = time.perf_counter()
-    chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format)
+    chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format, cfg.model.tool_messages)
     rows = Storage(ctx.storage_url).read_json(data.eval)
     pairs = [_prompt_and_answer(row["messages"]) for row in rows]
     hits = 0

@@ -23,6 +23,21 @@ QUIET_TEST_ENV = {
 }
 os.environ.update(QUIET_TEST_ENV)
 
+# One math path on every x86-64 CPU: ATen's vectorised kernels, MKL's BLAS (conditional numerical
+# reproducibility) and oneDNN all capped at AVX2, so a learning test's trajectory is the same on an
+# AVX-512 Xeon and on an AVX2-only EPYC (unpinned, the same seeds gave other rewards there). Every
+# process the suite starts inherits them: jobs, Ray workers (also via their runtime_env), notebook
+# kernels. ``FLOWRL_TEST_KERNELS=native`` leaves the CPU's own kernels (to check that the learning
+# tests hold unpinned too); a variable the developer set wins.
+PINNED_KERNELS_ENV = {
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "MKL_CBWR": "AVX2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+}
+if os.environ.get("FLOWRL_TEST_KERNELS", "pinned") != "native":
+    for _name, _value in PINNED_KERNELS_ENV.items():
+        os.environ.setdefault(_name, _value)
+
 # One model cache for the whole run, as a machine has (like HF_HOME): every test's home, job
 # subprocess and xdist worker shares it, so each tiny model shape is built once per run, not
 # once per test home. Made by the first process to import this file (xdist's controller; its
@@ -54,6 +69,8 @@ SLOW_MODULES = (
     "test_games.py",  # ~140 s: the README's Nim game through `flowrl selfplay`
     "test_lifecycle.py",  # ~100 s: a job of every kind
     "test_retrain.py",  # ~80 s
+    "test_selfplay_resume.py",  # ~70-100 s: a self-play job killed and resumed
+    "test_env_timeouts.py",  # ~80 s: hung environments in every mode, one job
     "test_layering.py",  # ~60 s: a wheel build and a job in a user folder
     "test_namespaces.py",  # ~60 s: two namespaces' jobs at once, storage on S3
     "test_samplers.py",  # ~75 s: two samplers on a two-node Ray cluster

@@ -2,7 +2,7 @@
 """Tiny offline models of public chat-model families, built in seconds for tests.
 
 Each fixture is a plain Hugging Face folder: a random-weight model of the family's
-architecture (Qwen2, Qwen3, Llama), a byte-level BPE tokenizer trained here with ``tokenizers``
+architecture (Qwen2, Qwen3, Llama, Mistral), a byte-level BPE tokenizer trained here with ``tokenizers``
 (the family's special tokens, and its tool/think tags as added non-special tokens), a chat
 template written from the family's public format description, and a ``generation_config.json``
 listing the family's eos ids. Nothing is downloaded.
@@ -16,6 +16,15 @@ listing the family's eos ids. Nothing is downloaded.
   ``encode``), a system header with a knowledge date, contents trimmed, tool results in an
   ``ipython`` turn, ``<|eot_id|>`` after every message; no pad token; eos ids
   ``<|end_of_text|>``, ``<|eom_id|>``, ``<|eot_id|>``.
+- ``gemma3`` (Gemma 3 style, on a Llama architecture): BOS in the template (and added by
+  ``encode``), ``<start_of_turn>user\n…<end_of_turn>\n``, the assistant role written ``model``,
+  contents trimmed, a system message folded into the first user turn; the template raises on
+  any other role and when user and assistant turns do not alternate; eos ids ``<eos>``,
+  ``<end_of_turn>``.
+- ``mistral`` (Mistral instruct style, Mistral architecture): BOS in the template (and added by
+  ``encode``), ``[INST] … [/INST]`` around each user turn (control tokens), the reply and
+  ``</s>`` after it, a system message prefixed to the first user turn; raises like Gemma's;
+  eos id ``</s>``.
 
 ``teach`` makes a fixture answer every prompt with one fixed reply (greedy), so that real
 sampling produces canonical, multi-turn episodes whose text re-renders to the same tokens.
@@ -33,6 +42,8 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import (
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -118,6 +129,57 @@ LLAMA3_TEMPLATE = r"""
 {%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}{%- endif -%}
 """
 
+GEMMA3_TEMPLATE = r"""
+{{- bos_token -}}
+{%- if messages[0].role == 'system' -%}
+{%- set first_user_prefix = messages[0].content + '\n\n' -%}
+{%- set loop_messages = messages[1:] -%}
+{%- else -%}
+{%- set first_user_prefix = '' -%}
+{%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+{%- if message.role != 'user' and message.role != 'assistant' -%}
+{{- raise_exception('Only user and assistant roles are supported after an optional system message') -}}
+{%- endif -%}
+{%- if (message.role == 'user') != (loop.index0 % 2 == 0) -%}
+{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}
+{%- endif -%}
+{%- set role = 'model' if message.role == 'assistant' else message.role -%}
+{{- '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') + message.content | trim + '<end_of_turn>\n' -}}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<start_of_turn>model\n' -}}{%- endif -%}
+"""
+
+MISTRAL_TEMPLATE = r"""
+{{- bos_token -}}
+{%- if messages[0].role == 'system' -%}
+{%- set system_prefix = messages[0].content + '\n\n' -%}
+{%- set loop_messages = messages[1:] -%}
+{%- else -%}
+{%- set system_prefix = '' -%}
+{%- set loop_messages = messages -%}
+{%- endif -%}
+{%- for message in loop_messages -%}
+{%- if (message.role == 'user') != (loop.index0 % 2 == 0) -%}
+{{- raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') -}}
+{%- endif -%}
+{%- if message.role == 'user' -%}
+{{- '[INST] ' + (system_prefix if loop.first else '') + message.content + ' [/INST]' -}}
+{%- elif message.role == 'assistant' -%}
+{{- message.content + eos_token -}}
+{%- else -%}
+{{- raise_exception('Only user and assistant roles are supported!') -}}
+{%- endif -%}
+{%- endfor -%}
+"""
+
+NO_SYSTEM_TEMPLATE = (
+    "{%- if messages[0].role == 'system' -%}"
+    "{{- raise_exception('System role not supported') -}}{%- endif -%}" + MISTRAL_TEMPLATE
+)
+"""Mistral instruct style that refuses a system message (as some instruct templates do)."""
+
 COUNTING_TEMPLATE = r"""
 {{- '<|im_start|>system\nThis conversation has ' + (messages | length | string) + ' messages.<|im_end|>\n' -}}
 {%- for message in messages -%}
@@ -160,6 +222,8 @@ LLAMA_SPECIALS = (
     "<|eot_id|>",
     "<|python_tag|>",
 )
+GEMMA_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>")
+MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "[INST]", "[/INST]")
 FAMILIES: dict[str, Family] = {
     "chatml": Family(
         "chatml",
@@ -193,7 +257,45 @@ FAMILIES: dict[str, Family] = {
         bos="<|begin_of_text|>",
         bos_in_encode=True,
     ),
+    "gemma3": Family(
+        "gemma3",
+        "llama",
+        GEMMA_SPECIALS,
+        TAGS,
+        GEMMA3_TEMPLATE,
+        eos="<eos>",
+        generation_eos=("<eos>", "<end_of_turn>"),
+        pad="<pad>",
+        bos="<bos>",
+        bos_in_encode=True,
+    ),
+    "mistral": Family(
+        "mistral",
+        "mistral",
+        MISTRAL_SPECIALS,
+        TAGS,
+        MISTRAL_TEMPLATE,
+        eos="</s>",
+        generation_eos=("</s>",),
+        pad=None,
+        bos="<s>",
+        bos_in_encode=True,
+    ),
 }
+STRICT = ("gemma3", "mistral")
+"""The families whose templates accept only alternating user and assistant turns."""
+NO_SYSTEM = Family(
+    "no-system",
+    "mistral",
+    MISTRAL_SPECIALS,
+    TAGS,
+    NO_SYSTEM_TEMPLATE,
+    eos="</s>",
+    generation_eos=("</s>",),
+    pad=None,
+    bos="<s>",
+    bos_in_encode=True,
+)
 BROKEN = Family(
     "counting",
     "qwen2",
@@ -275,6 +377,7 @@ def build_family(family: Family, out_dir: str | Path, seed: int = 0) -> str:
         "qwen2": (Qwen2Config, Qwen2ForCausalLM),
         "qwen3": (Qwen3Config, Qwen3ForCausalLM),
         "llama": (LlamaConfig, LlamaForCausalLM),
+        "mistral": (MistralConfig, MistralForCausalLM),
     }[family.architecture]
     if family.architecture == "qwen3":
         shape["head_dim"] = 16

@@ -121,6 +121,10 @@ def test_each_algorithm_trains_by_config_change(overrides, warm_model, ctx):
         if cfg.algorithm.kl_coef > 0:
             assert stats["train/kl_ref"] >= 0.0 or cfg.algorithm.kl_estimator == "k1"
             assert "train/kl_ref" in stats
+        # Every record a step wrote (kl_in: reward's rewards too) is gone after its update.
+        storage, steps = Storage(job.storage_url), f"{job.prefix}/steps"
+        left = storage.sizes(steps) if storage.exists(steps) else {}
+        assert left == {}, left
     finally:
         stop_policy(policy)
 

@@ -48,6 +48,7 @@ def test_reward_rises_with_fixed_seeds(trained):
     rewards = _history(result.mlflow_run_id, "reward/mean")
     assert len(rewards) == STEPS
     first, last = statistics.mean(rewards[:20]), statistics.mean(rewards[-20:])
+    print(f"reward/mean first 20 steps {first:.3f}, last 20 {last:.3f}")
     assert last > first + 0.05, (first, last)
     assert result.accuracy_end > result.accuracy_start
 

@@ -1,5 +1,6 @@
-"""Real chat-model families (ChatML/Qwen2.5, Qwen3, Llama 3) render multi-turn episodes
-token-exactly: fixtures from ``tests/families.py``, the real HF sampler and trainer."""
+"""Real chat-model families (ChatML/Qwen2.5, Qwen3, Llama 3, Gemma 3, Mistral instruct) render
+multi-turn episodes token-exactly: fixtures from ``tests/families.py``, the real HF sampler and
+trainer. The strict families (Gemma 3, Mistral) get tool results as user turns."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from families import BROKEN, FAMILIES, build_family, teach
+from families import BROKEN, FAMILIES, NO_SYSTEM, STRICT, build_family, teach
 
 from flowrl.agent_loop.loop import LoopLimits, run_episodes
 from flowrl.agent_loop.types import StopReason
 from flowrl.backends.actors import sampler, start_policy, stop_policy, sync_weights, trainer
 from flowrl.backends.chat import (
     ChatTemplateError,
+    ConversationNeeds,
     HFChatFormat,
     check_chat_template,
     generation_eos_ids,
@@ -28,7 +30,8 @@ from flowrl.environments.registry import make_env, make_task
 from flowrl.tasks.sft import sft_datum
 
 CALL = '<tool_call>{"expr": "1+2"}</tool_call>'
-REPLIES = {"chatml": CALL, "llama3": CALL, "qwen3": f"<think>\nI add.\n</think>\n\n{CALL}"}
+REPLIES = {"chatml": CALL, "llama3": CALL, "qwen3": f"<think>\nI add.\n</think>\n\n{CALL}",
+           "gemma3": CALL, "mistral": CALL}  # fmt: skip
 """What each taught fixture answers, every turn: a calculator call (an invalid gomoku move)."""
 EPISODES = {
     # tool_math: every reply is a tool call, so the episode runs until max_turns.
@@ -40,6 +43,11 @@ EPISODES = {
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tool-math.yaml"
 SYSTEM_HEADER = {"chatml": "<|im_start|>system", "qwen3": "<|im_start|>system",
                  "llama3": "<|start_header_id|>system"}  # fmt: skip
+"""The system turn's header; the strict families fold the system prompt into the first user
+turn, so for them the prompt's own text is counted."""
+E2E_FAMILIES = ("chatml", "llama3", "qwen3")
+"""The families the end-to-end test trains from a folder and from S3; of the strict ones it
+trains Gemma 3 from a folder only (their rendering is checked by the episode tests above)."""
 
 
 def scripted(chat: HFChatFormat, env_name: str, params: dict, reply: str, turns: int):
@@ -77,8 +85,11 @@ def family(request, tmp_path_factory) -> tuple[str, str]:
 
 
 def whole(chat: HFChatFormat, messages: list[dict]) -> list[int]:
-    """The conversation rendered at once by the model's own template."""
-    return chat.tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    """The conversation rendered at once by the model's own template (tool results as the
+    chat format gives them to it: user turns for the strict families)."""
+    return chat.tokenizer.apply_chat_template(
+        chat.template_messages(messages), tokenize=True, return_dict=False
+    )
 
 
 def without_stripped_thinking(chat: HFChatFormat, tokens: list[int], messages: list[dict]):
@@ -121,7 +132,8 @@ def test_multi_turn_episodes_are_the_templates_own_tokens(family, env_name, tmp_
     assert reference[: len(trained)] == trained
     assert chat.tokenizer.decode(reference[len(trained) :]).strip() == ""
     text, reference_text = chat.tokenizer.decode(trained), chat.tokenizer.decode(reference)
-    assert text.count(SYSTEM_HEADER[name]) == reference_text.count(SYSTEM_HEADER[name]) == 1
+    system = SYSTEM_HEADER.get(name, traj.messages[0]["content"])
+    assert text.count(system) == reference_text.count(system) == 1
     bos = chat.tokenizer.bos_token_id
     if bos is not None:
         assert traj.tokens.count(bos) == reference.count(bos) == 1 and traj.tokens[0] == bos
@@ -148,7 +160,7 @@ def test_qwen3_documented_difference_think_blocks_of_earlier_turns(tmp_path):
 def test_the_sampler_stops_on_every_eos_id_of_the_generation_config(family, tmp_path):
     name, folder = family
     eos_ids = generation_eos_ids(folder)
-    assert len(eos_ids) >= 2
+    assert len(eos_ids) >= (1 if name == "mistral" else 2)
     hf = HFSampler(WorkerSpec(model_uri=folder, cache_dir=str(tmp_path)))
     assert set(eos_ids) <= set(hf.stop_token_ids)
     chat = HFChatFormat.from_folder(folder)
@@ -220,6 +232,53 @@ def test_chat_format_names_a_family_and_refuses_a_mismatch(tmp_path):
     assert HFChatFormat.from_folder(folder).stop_token_ids[0] == config["eos_token_id"][-1]
 
 
+def test_strict_families_get_tool_results_as_user_turns_token_exactly(tmp_path):
+    """Gemma 3 and Mistral refuse a tool message: ``auto`` renders it as a user turn (the
+    conversation alternates), ``model.tool_messages=user`` does so for any family, and either
+    passes the probe of a system prompt, user and tool observations."""
+    opening = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
+    for name in (*STRICT, "chatml"):
+        folder = build_family(FAMILIES[name], tmp_path / name)
+        assert HFChatFormat.from_folder(folder).tool_role == ("user" if name in STRICT else "tool")
+        chat = HFChatFormat.from_folder(folder, tool_messages="user")
+        probe(chat, ConversationNeeds())
+        tool, user = {"role": "tool", "content": "42"}, {"role": "user", "content": "42"}
+        assert chat.encode_turn(tool) == chat.encode_turn(user)
+        if name == "gemma3":  # the system prompt folded into the first user turn
+            assert chat.tokenizer.decode(chat.encode_prompt(opening)) == (
+                "<bos><start_of_turn>user\nS\n\nQ<end_of_turn>\n<start_of_turn>model\n"
+            )
+            assert chat.tokenizer.decode(chat.encode_turn(tool)) == (
+                "\n<start_of_turn>user\n42<end_of_turn>\n<start_of_turn>model\n"
+            )
+        if name == "mistral":
+            assert chat.tokenizer.decode(chat.encode_prompt(opening)) == "<s>[INST] S\n\nQ [/INST]"
+            assert chat.tokenizer.decode(chat.encode_turn(tool)) == "[INST] 42 [/INST]"
+
+
+def test_train_refuses_a_role_the_template_refuses_with_exit_2(tmp_path, monkeypatch, capsys):
+    """tool_math answers with tool messages; Gemma 3's template refuses them, and with the
+    user-turn fallback off ``flowrl train`` exits 2 naming the folder, the role and the turn
+    order (no traceback). What the environment never sends is not probed."""
+    folder = build_family(FAMILIES["gemma3"], tmp_path / "gemma3")
+    monkeypatch.setenv("FLOWRL_HOME", str(tmp_path / "home"))
+    overrides = ["--set", f"model.source={folder}", "--set", "model.tool_messages=tool"]
+    capsys.readouterr()  # the fixture build's progress bars
+    assert main(["train", str(CONFIG), *overrides]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"flowrl: model folder {folder}: its chat template refuses a 'tool'")
+    assert "(turn order system -> user -> assistant -> tool)" in err
+    assert "set model.tool_messages: user" in err and "Traceback" not in err
+    assert not (tmp_path / "home").exists()  # refused before any store, server or worker
+    gomoku = make_task("gomoku", EPISODES["gomoku"][0])  # user observations only: accepted
+    check_chat_template(folder, tool_messages="tool", task=gomoku)
+    # A template refusing a system prompt: refused for an environment that has one only.
+    no_system = build_family(NO_SYSTEM, tmp_path / "no-system")
+    with pytest.raises(ChatTemplateError, match=r"refuses a 'system' message \(turn order system"):
+        check_chat_template(no_system, task=make_task("tool_math", EPISODES["tool_math"][0]))
+    check_chat_template(no_system, task=make_task("arithmetic", {}))  # no system prompt
+
+
 FAMILY_JOBS_SCRIPT = """
 import json, sys
 import mlflow
@@ -257,9 +316,10 @@ print("RESULTS " + json.dumps(results))
 def test_an_rl_job_trains_each_family_from_a_folder_and_from_s3_and_registers_it(
     moto_s3, tmp_path, prefect_api
 ):
-    """Six short multi-turn tool_math jobs (three families x local folder / s3:// copy on moto)
-    in one Python process, on the session's Prefect API; each registered version reloads with
-    its base's tokenizer, chat template and generation config."""
+    """Seven short multi-turn tool_math jobs (three families x local folder / s3:// copy on moto,
+    and Gemma 3 from a folder, its tool results as user turns) in one Python process, on the
+    session's Prefect API; each registered version reloads with its base's tokenizer, chat
+    template and generation config."""
     import os
     import subprocess
     import sys
@@ -271,14 +331,17 @@ def test_an_rl_job_trains_each_family_from_a_folder_and_from_s3_and_registers_it
 
     params, limits, _ = EPISODES["tool_math"]
     jobs = []
-    for name in sorted(FAMILIES):
+    for name in (*E2E_FAMILIES, "gemma3"):
         folder = build_family(FAMILIES[name], tmp_path / name)
         chat = Format.from_folder(folder)
         tokens, mask = scripted(chat, "tool_math", params, REPLIES[name], limits.max_turns)
         teach(folder, [tokens], [mask])
-        url = f"s3://{moto_s3.bucket}/families/{name}"
-        fsspec.filesystem("s3").put(f"{folder}/", url, recursive=True)
-        for where, source in (("local", folder), ("s3", url)):
+        sources = [("local", folder)]
+        if name in E2E_FAMILIES:
+            url = f"s3://{moto_s3.bucket}/families/{name}"
+            fsspec.filesystem("s3").put(f"{folder}/", url, recursive=True)
+            sources.append(("s3", url))
+        for where, source in sources:
             overrides = [
                 f"name=family-{name}-{where}",
                 f"model.source={source}",

@@ -37,4 +37,7 @@ def _run(name: str) -> dict:
 def test_grpo_on_verbs_notebook_runs_and_its_reward_rises():
     result = _run("grpo_on_verbs.ipynb")
     assert result["restored"] is True
+    # Seeds 0-4 (model and data), each on three kernel sets (pinned AVX2, this Xeon's AVX-512,
+    # ATen's scalar kernels): the weakest rise was +0.127 (16 prompts a step; at 8 it was +0.047
+    # on an AVX2-only EPYC and one seed fell), so +0.05 holds with margin on any CPU.
     assert result["reward_last10"] > result["reward_first10"] + 0.05, result

@@ -351,6 +351,7 @@ def test_the_readme_example_trains_with_the_readme_command_and_reward_rises(tmp_
     assert len(rewards) == 30
     assert client.get_metric_history(run_id, "env/acknowledged")  # an info field, no code
     first, last = sum(rewards[:8]) / 8, sum(rewards[-8:]) / 8
+    print(f"reward/mean first 8 steps {first:.3f}, last 8 {last:.3f}")
     assert last > first + 0.04, (first, last, rewards)
 
 

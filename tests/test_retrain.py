@@ -3,6 +3,9 @@ same held-out set, and every decision is recorded in MLflow and as a Prefect art
 
 from __future__ import annotations
 
+import inspect
+from collections import Counter
+
 import pytest
 
 from flowrl.flows.retrain import should_promote
@@ -43,10 +46,41 @@ def _alias() -> str:
     return str(client().get_model_version_by_alias(MODEL, "champion").version)
 
 
-def test_better_challenger_is_promoted_worse_one_is_not(prefect_api, flowrl_home):
+def _count_mlflow_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, str, str]]:
+    """Every param and tag this process writes to an MLflow run, as (run id, kind, key)."""
+    from mlflow.tracking import MlflowClient
+
+    writes: list[tuple[str, str, str]] = []
+    batch, set_tag, log_param = MlflowClient.log_batch, MlflowClient.set_tag, MlflowClient.log_param
+
+    def log_batch_spy(self, *args, **kwargs):
+        given = inspect.signature(batch).bind(self, *args, **kwargs).arguments
+        writes.extend((given["run_id"], "param", p.key) for p in given.get("params") or ())
+        writes.extend((given["run_id"], "tag", t.key) for t in given.get("tags") or ())
+        return batch(self, *args, **kwargs)
+
+    def set_tag_spy(self, run_id, key, *args, **kwargs):
+        writes.append((run_id, "tag", key))
+        return set_tag(self, run_id, key, *args, **kwargs)
+
+    def log_param_spy(self, run_id, key, *args, **kwargs):
+        writes.append((run_id, "param", key))
+        return log_param(self, run_id, key, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", log_batch_spy)
+    monkeypatch.setattr(MlflowClient, "set_tag", set_tag_spy)
+    monkeypatch.setattr(MlflowClient, "log_param", log_param_spy)
+    return writes
+
+
+def test_better_challenger_is_promoted_worse_one_is_not(prefect_api, flowrl_home, monkeypatch):
     from prefect import get_client
 
+    from flowrl.infra.settings import get_settings
+    from flowrl.infra.storage import Storage
     from flowrl.infra.tracking import client
+
+    writes = _count_mlflow_writes(monkeypatch)
 
     # Round 0: no champion: an untrained tiny model becomes the first champion.
     first = _round(["warmup.enabled=false"])
@@ -71,6 +105,20 @@ def test_better_challenger_is_promoted_worse_one_is_not(prefect_api, flowrl_home
     assert run.data.metrics["retrain/champion_accuracy"] == pytest.approx(worse.champion_accuracy)
     version = c.get_model_version(MODEL, worse.challenger_version)
     assert version.tags["flowrl.retrain.decision"] == "kept"
+    # The round's run: its config as params, the decision as tags, each written once.
+    assert run.data.params["alias"] == "champion" and run.data.params["min_improvement"] == "0.0"
+    assert run.data.params["job.name"] == MODEL
+    assert not any(k.startswith("flowrl.retrain.") for k in run.data.params)
+    written = Counter((kind, key) for r, kind, key in writes if r == worse.mlflow_run_id)
+    assert written[("tag", "flowrl.retrain.decision")] == written[("param", "alias")] == 1
+    assert all(n == 1 for n in written.values()), written
+    # Like every job: job.json and result.json beside the job's files.
+    storage = Storage(get_settings().storage_root)
+    job = storage.read_json(f"jobs/{MODEL}-retrain/job.json")
+    assert job["mlflow_run_id"] == worse.mlflow_run_id and job["config"]["alias"] == "champion"
+    result = storage.read_json(f"jobs/{MODEL}-retrain/result.json")
+    assert result["decision"] == "kept" and result["challenger_version"] == worse.challenger_version
+    assert run.info.status == "FINISHED"
 
     async def artifact():
         async with get_client() as pc:
