@@ -302,7 +302,10 @@ def trl_side(size: str, seconds: float, threads: int, warm_model: str) -> dict[s
     policy = start_policy("trl-eval", WorkerSpec(model_uri=out_dir, cache_dir=cache), local=True)
     try:  # the flow's own eval code on the flow's held-out set
         acc = evaluate_policy(
-            task, policy, chat_format(out_dir, cache), config.rollout.limits(greedy=True)
+            task,
+            policy,
+            chat_format(out_dir, cache, config.model),
+            config.rollout.limits(greedy=True),
         )
     finally:
         stop_policy(policy)

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flowrl.agent_loop.loop import LoopLimits, run_episodes
 from flowrl.agent_loop.types import SampleResult, Trajectory
@@ -18,15 +18,21 @@ from flowrl.backends.models import resolve_model_uri
 from flowrl.environments.types import Environment
 from flowrl.tasks.types import EvalResult
 
+if TYPE_CHECKING:  # annotation only: the schemas import nothing from here
+    from flowrl.tasks.jobs import ModelSection
+
+
+def chat_format(model_uri: str, cache_dir: str, model: ModelSection) -> HFChatFormat:
+    """The policy's chat format as the job's ``model`` section asks (its ``chat_format`` and
+    ``tool_messages``): tokenizer, template, generation config and processor settings only
+    (tasks never load weights), checked by ``probe`` the first time a job asks for it (on what
+    the template accepts; ``prepare_model`` probes what the environment sends). Control tokens
+    inside environment text stay text."""
+    return _chat_format(model_uri, cache_dir, model.chat_format, model.tool_messages)
+
 
 @lru_cache(maxsize=8)
-def chat_format(
-    model_uri: str, cache_dir: str, name: str = "auto", tool_messages: str = "auto"
-) -> HFChatFormat:
-    """The policy's chat format (tokenizer, template, generation config and processor settings
-    only: tasks never load weights), checked by ``probe`` the first time a job asks for it
-    (on what the template accepts; ``prepare_model`` probes what the environment sends).
-    Control tokens inside environment text stay text."""
+def _chat_format(model_uri: str, cache_dir: str, name: str, tool_messages: str) -> HFChatFormat:
     folder = resolve_model_uri(model_uri, cache_dir)
     chat = HFChatFormat.from_folder(folder, chat_format=name, tool_messages=tool_messages)
     probe(chat)

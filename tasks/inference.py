@@ -51,9 +51,7 @@ def infer(
         rows = task_cfg.eval_set()[: config.num_prompts]
     else:
         rows = task_cfg.train_source().next_batch(config.num_prompts)
-    chat = chat_format(
-        model_uri, ctx.cache_dir, config.model.chat_format, config.model.tool_messages
-    )
+    chat = chat_format(model_uri, ctx.cache_dir, config.model)
     limits = config.rollout.limits(greedy=config.greedy)
     trajectories = run_group_episodes(
         env_factory_for(config.env, ctx.run_name),

@@ -49,7 +49,7 @@ def prepare_model(cfg: JobConfig, ctx: JobContext) -> str:
     now), or a tiny model built once into storage."""
     if cfg.model.source != "tiny":
         uri = pin_model_uri(cfg.model.source)
-        chat = chat_format(uri, ctx.cache_dir, cfg.model.chat_format, cfg.model.tool_messages)
+        chat = chat_format(uri, ctx.cache_dir, cfg.model)
         # The probe of what the job's environment sends, before any worker starts.
         env = getattr(cfg, "env", None)
         probe(chat, conversation_needs(env.task(cfg.seed)) if env is not None else None)
@@ -161,7 +161,7 @@ def _sft_until(
     ``warmup.eval_every`` at a time, until held-out accuracy reaches the target or
     ``warmup.max_steps`` are done."""
     next_batch = _demonstrations(cfg, task_cfg)
-    chat = chat_format(base_uri, ctx.cache_dir, cfg.model.chat_format, cfg.model.tool_messages)
+    chat = chat_format(base_uri, ctx.cache_dir, cfg.model)
     greedy = cfg.rollout.limits(greedy=True)
 
     def timed(_episode_id: str) -> TimedEnv:  # in-process, with the job's deadline per call

@@ -59,7 +59,7 @@ def rollout(
         rows,
         cfg.rollout.group_size,
         policy,
-        chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format, cfg.model.tool_messages),
+        chat_format(model_uri, ctx.cache_dir, cfg.model),
         cfg.rollout.limits(),
         seed=derived_seed(cfg.seed, "rollout", step),
         id_prefix=f"s{step}",
@@ -208,7 +208,7 @@ def weight_sync(policy: PolicyRef) -> float:
 @task(name="eval", cache_policy=NO_CACHE)
 def evaluate(cfg: RLJobConfig, ctx: JobContext, model_uri: str, policy: PolicyRef) -> EvalResult:
     """Greedy accuracy on the environment's fixed held-out set."""
-    chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format, cfg.model.tool_messages)
+    chat = chat_format(model_uri, ctx.cache_dir, cfg.model)
     make_env = env_factory_for(cfg.env, ctx.run_name)
     limits = cfg.rollout.limits(greedy=True)
     return evaluate_policy(cfg.env.task(cfg.seed), policy, chat, limits, make_env, cfg.env.success)

@@ -58,7 +58,7 @@ def _duel(
     limits = cfg.rollout.limits(greedy=greedy)
     samplers = {a: SeededSampler(p, derived_seed(seed, a)) for a, p in policies.items()}
     envs = [TimedEnv(games.make_game(), cfg.env.step_timeout_s) for _ in rows]
-    chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format, cfg.model.tool_messages)
+    chat = chat_format(model_uri, ctx.cache_dir, cfg.model)
     return envs, run_multiagent_episodes(envs, rows, samplers, chat, limits)
 
 
@@ -123,7 +123,7 @@ def versus_opponent(
     """Greedy games of ``policy`` playing ``sides`` against the game's reference opponent
     (Gomoku: the heuristic) on the held-out rows; accuracy is the share of successes."""
     task_cfg = cfg.games().versus(sides)
-    chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format, cfg.model.tool_messages)
+    chat = chat_format(model_uri, ctx.cache_dir, cfg.model)
     limits = cfg.rollout.limits(greedy=True)
     return evaluate_policy(task_cfg, policy, chat, limits, success=cfg.env.success)
 

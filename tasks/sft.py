@@ -152,7 +152,7 @@ def train_steps(
     )
     losses, stats = sft_steps(
         policy,
-        chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format, cfg.model.tool_messages),
+        chat_format(model_uri, ctx.cache_dir, cfg.model),
         batches,
     )
     seconds = time.perf_counter() - start
@@ -173,7 +173,7 @@ def evaluate_exact_match(
     """Greedy answer to each held-out conversation's last assistant turn; exact match rate
     (after stripping whitespace)."""
     start = time.perf_counter()
-    chat = chat_format(model_uri, ctx.cache_dir, cfg.model.chat_format, cfg.model.tool_messages)
+    chat = chat_format(model_uri, ctx.cache_dir, cfg.model)
     rows = Storage(ctx.storage_url).read_json(data.eval)
     pairs = [_prompt_and_answer(row["messages"]) for row in rows]
     hits = 0

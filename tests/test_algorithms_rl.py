@@ -69,7 +69,7 @@ def warm_model(ctx: JobContext) -> str:
     base_uri = prepare_model.fn(cfg, ctx)
     spec = WorkerSpec(model_uri=base_uri, cache_dir=ctx.cache_dir, learning_rate=3e-3)
     policy = start_policy("algo-rl-warm", spec, local=True)
-    task_cfg, chat = cfg.env.task(), chat_format(base_uri, ctx.cache_dir)
+    task_cfg, chat = cfg.env.task(), chat_format(base_uri, ctx.cache_dir, cfg.model)
     source = task_cfg.train_source()
     for _ in range(60):
         data = [sft_datum(chat, task_cfg.sft_example(r)) for r in source.next_batch(16)]

@@ -96,7 +96,7 @@ def test_loss_is_only_on_assistant_tokens(chat_files, tmp_path):
 
     cfg = SFTJobConfig.model_validate({"data": {"train": chat_files[0], "eval": chat_files[1]}})
     ctx = JobContext(cfg.name, str(tmp_path / "store"), str(tmp_path / "cache"), "mask")
-    chat = chat_format(prepare_model.fn(cfg, ctx), ctx.cache_dir)
+    chat = chat_format(prepare_model.fn(cfg, ctx), ctx.cache_dir, cfg.model)
     datum = sft_datum(
         chat, [{"role": "user", "content": "12+7="}, {"role": "assistant", "content": "19"}]
     )
