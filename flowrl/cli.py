@@ -8,6 +8,11 @@
 
 ``train`` validates the config before anything starts (a bad field fails at once, naming the
 field), then runs the ``rl-train`` flow in this process and prints the result.
+
+``jobs`` and ``infra up`` talk to the Prefect API of ``PREFECT_API_URL`` (or
+``FLOWRL_PREFECT_API_URL``) if set; else to the running local stack, the one under
+``FLOWRL_HOME`` or else the one ``flowrl stack up`` last started (named by
+``~/.config/flowrl/stack.json``, in any directory). With neither they say so and stop.
 """
 
 from __future__ import annotations
@@ -50,22 +55,54 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_infra_commands(sub) -> None:
-    infra = sub.add_parser("infra", help="Apply the scheduler declaration and deployments.")
+    infra = sub.add_parser(
+        "infra",
+        help="Apply the scheduler declaration and deployments.",
+        description="Apply them to the Prefect API of PREFECT_API_URL (or "
+        "FLOWRL_PREFECT_API_URL) if set, else to the running local stack (found as `flowrl "
+        "jobs` finds it).",
+    )
     infra.add_argument("action", choices=["up"], help="up: create or update them.")
     infra.add_argument("--no-deployments", action="store_true", help="Only pool/queues/limit.")
-    stack = sub.add_parser("stack", help="The local stack (Prefect, worker, Ray, MLflow, S3).")
+    stack = sub.add_parser(
+        "stack",
+        help="The local stack (Prefect, worker, Ray, MLflow, S3).",
+        description="The local stack on 127.0.0.1. Its state lives in "
+        "$FLOWRL_HOME/stack/state.json (FLOWRL_HOME defaults to ./.flowrl); `up` also writes "
+        "$FLOWRL_CONFIG_DIR/stack.json (default ~/.config/flowrl/stack.json), which lets "
+        "`flowrl jobs` and `flowrl stack status|env|down` find it from any directory.",
+    )
     stack.add_argument(
         "action",
         choices=["up", "down", "status", "env"],
-        help="up: start every component; down: stop them by PID; status: what runs; "
-        "env: the variables that point a shell at the stack.",
+        help="up: start every component and print the UI links; down: stop them by PID; "
+        "status: the UI links and what runs; env: the variables that point a shell at it.",
     )
-    stack.add_argument("--gpus", type=int, default=None, help="GPUs of the pool (default: yaml).")
+    stack.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="GPU slots of the pool, also the Ray head's GPUs (default: the scheduler "
+        "declaration's pool.gpus, 2 in infra/scheduler.yaml). On a machine without GPUs they "
+        "are logical: a job with resources.gpus=1 is admitted and runs on the CPU. On a GPU "
+        "machine give at most its number of GPUs.",
+    )
     stack.add_argument("--no-ray", action="store_true", help="Do not start a Ray head.")
     stack.add_argument(
         "--no-deployments", action="store_true", help="Do not apply prefect.yaml's deployments."
     )
-    jobs = sub.add_parser("jobs", help="Submit and follow jobs on the Prefect API.")
+    stack.add_argument(
+        "--json", action="store_true", help="status: print it as JSON (UI links, components)."
+    )
+    jobs = sub.add_parser(
+        "jobs",
+        help="Submit and follow jobs on the Prefect API.",
+        description="Jobs on the Prefect API of PREFECT_API_URL (or FLOWRL_PREFECT_API_URL) if "
+        "set; else on the running local stack: the one under FLOWRL_HOME, else the one "
+        "`flowrl stack up` last started (named by $FLOWRL_CONFIG_DIR/stack.json, default "
+        "~/.config/flowrl/stack.json), from any directory.",
+    )
     jsub = jobs.add_subparsers(dest="action", required=True)
     submit = jsub.add_parser("submit", help="Submit a job to a deployment; prints its id.")
     submit.add_argument("deployment", help="Deployment name, e.g. rl-train or gpu-probe.")
@@ -92,7 +129,9 @@ def _add_infra_commands(sub) -> None:
         ("metrics", "Print a finished job's latest MLflow metrics."),
         ("result", "Print a finished job's result."),
     ):
-        jsub.add_parser(verb, help=text).add_argument("run_id", help="Prefect flow-run id.")
+        jsub.add_parser(verb, help=text).add_argument(
+            "run_id", help="Prefect flow-run id (printed by `jobs submit` and `jobs list`)."
+        )
     wait = jsub.add_parser("wait", help="Wait for a job to end; exit 1 unless it COMPLETED.")
     wait.add_argument("run_id", help="Prefect flow-run id.")
     wait.add_argument("--timeout", type=float, default=3600, help="Seconds to wait at most.")
@@ -169,14 +208,17 @@ def _train(config) -> int:
 def _ops(args) -> int:
     from flowrl.infra.configfile import ConfigError
     from flowrl.infra.scheduler import AdmissionError
+    from flowrl.infra.stack import NoStackError
 
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     try:
         if args.command == "stack":
             return _stack(args)
+        if getattr(args, "run_id", None) is not None:
+            _check_run_id(args.run_id)  # before anything connects or writes
         from flowrl.infra.stack import apply_stack_env
 
-        apply_stack_env()  # a running local stack is the default target
+        apply_stack_env()  # a Prefect API if set, else the running local stack, else stop
         from flowrl.infra.settings import get_settings
 
         get_settings().apply_to_environment()
@@ -189,6 +231,25 @@ def _ops(args) -> int:
     except ConfigError as err:
         print(f"flowrl: {err}", file=sys.stderr)
         return 2
+    except (NoStackError, _NotFound) as err:
+        print(f"flowrl: {err}", file=sys.stderr)
+        return 1
+
+
+class _NotFound(LookupError):
+    """A run id that is not a UUID, or a run or deployment the Prefect API does not know."""
+
+
+def _check_run_id(run_id: str) -> None:
+    from uuid import UUID
+
+    try:
+        UUID(run_id)
+    except ValueError:
+        raise _NotFound(
+            f"{run_id!r} is not a flow-run id (a UUID, as `flowrl jobs submit` and "
+            "`flowrl jobs list` print)"
+        ) from None
 
 
 def _infra_up(no_deployments: bool) -> int:
@@ -217,20 +278,38 @@ def _stack(args) -> int:
         state = stack.stack_up(
             gpus=args.gpus, deploy=not args.no_deployments, ray=not args.no_ray, progress=True
         )
-    elif args.action == "down":
-        print("stopped:", ", ".join(stack.stack_down()) or "nothing")
-        return 0
+        path = stack.state_file()
     else:
-        state = stack.StackState.load(stack.state_file())
+        path = stack.known_state_file()  # FLOWRL_HOME's, else the one the pointer names
+        state = stack.StackState.load(path) if path is not None else None
         if state is None:
-            print("no local stack (flowrl stack up)", file=sys.stderr)
+            if args.action == "down":
+                print("stopped: nothing")
+                return 0
+            print("flowrl: no local stack (start one with `flowrl stack up`)", file=sys.stderr)
             return 1
+    if args.action == "down":
+        print("stopped:", ", ".join(stack.stack_down(path)) or "nothing")
+        return 0
     if args.action == "env":
         for key, value in state.env.items():
             print(f"export {key}={value}")
         return 0
-    print(json.dumps({k: v.__dict__ for k, v in state.components.items()}, indent=2))
-    return 0
+    alive = {name: stack._alive(c.pid) for name, c in state.components.items()}
+    if args.json:
+        components = {k: {**v.__dict__, "alive": alive[k]} for k, v in state.components.items()}
+        out = {"state_file": str(path), "ui": state.ui, "components": components}
+        print(json.dumps(out, indent=2))
+        return 0
+    names = {"prefect": "Prefect UI", "mlflow": "MLflow UI"}
+    for key, url in state.ui.items():
+        print(f"{names[key]:<11} {url}")
+    print()
+    print(f"{'component':<10} {'pid':>8}  {'state':<7} url")
+    for name, comp in state.components.items():
+        print(f"{name:<10} {comp.pid:>8}  {'running' if alive[name] else 'exited':<7} {comp.url}")
+    print(f"\nstate: {path}  (logs beside it)")
+    return 0 if all(alive.values()) else 1
 
 
 def _submit_parameters(args) -> dict:
@@ -246,6 +325,29 @@ def _submit_parameters(args) -> dict:
 
 
 def _jobs(args) -> int:
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        return _jobs_on_api(args)
+    except ObjectNotFound:
+        if getattr(args, "run_id", None) is not None:
+            what = f"flow run {args.run_id}"
+        elif args.action == "submit":
+            what = f"deployment {args.deployment!r}"
+        else:
+            raise
+        raise _NotFound(f"no {what} on the Prefect API at {_api_url()}") from None
+    except LookupError as err:  # JobClient.deployment_name: no or several deployments
+        if args.action != "submit" or isinstance(err, KeyError):
+            raise
+        raise _NotFound(f"{err} on the Prefect API at {_api_url()}") from None
+
+
+def _api_url() -> str:
+    return os.environ.get("PREFECT_API_URL", "(unset)")
+
+
+def _jobs_on_api(args) -> int:
     from flowrl.infra.client import JobClient
 
     jobs = JobClient()

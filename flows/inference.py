@@ -15,6 +15,7 @@ from prefect import flow
 
 from flowrl.backends.models import pin_model_uri
 from flowrl.flows.lifecycle import JobRun, task_runner
+from flowrl.flows.run_page import job_run_name
 from flowrl.infra import tracking
 from flowrl.tasks.inference import infer
 from flowrl.tasks.jobs import InferenceJobConfig
@@ -31,12 +32,23 @@ class InferenceResult:
     mlflow_run_id: str
 
 
-@flow(name="batch-inference", task_runner=task_runner(), log_prints=True)
+@flow(
+    name="batch-inference",
+    task_runner=task_runner(),
+    log_prints=True,
+    flow_run_name=job_run_name(InferenceJobConfig),
+)
 def batch_inference(config: InferenceJobConfig = InferenceJobConfig()) -> InferenceResult:  # noqa: B008
     with JobRun(config) as job:
         model_uri = pin_model_uri(config.model.source)  # an alias moving mid-job changes nothing
+        job.say(f"model: {config.model.source} is {model_uri}")
         policy = job.start_policy(model_uri)
-        out = infer.submit(config, job.ctx, model_uri, policy).result()
+        with job.phase("inference", f"{config.num_prompts} prompts") as phase:
+            out = infer.submit(config, job.ctx, model_uri, policy).result()
+            phase.result = (
+                f"{out.num_episodes} episodes, accuracy {out.accuracy:.3f}, "
+                f"reward {out.reward_mean:.3f}; written to {out.uri}"
+            )
         job.log(out.metrics, step=0)
         tracking.set_tags(job.run_id, {"flowrl.inference.trajectories": out.uri})
         result = InferenceResult(

@@ -1,31 +1,27 @@
 """The run lifecycle every flow uses: admission and GPU slots, the job's storage context, its
-MLflow run, its policy workers, progress, finish and fail. And the stage runner."""
+MLflow run, its policy workers, progress, finish and fail (what the run shows in the Prefect UI
+is ``run_page.RunPage``'s). And the stage runner."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import ray
-from prefect.artifacts import (
-    create_link_artifact,
-    create_markdown_artifact,
-    create_progress_artifact,
-    create_table_artifact,
-    update_progress_artifact,
-)
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
-from tqdm import tqdm
 
 from flowrl.backends.actors import PolicyRef, stop_policy, worker_nodes
 from flowrl.backends.types import WorkerSpec
 from flowrl.environments.remote import stop_env_pool
+from flowrl.flows.run_page import Column, Phase, RunPage
 from flowrl.infra import tracking
 from flowrl.infra.redact import redact
 from flowrl.infra.scheduler import gpu_slots
@@ -76,15 +72,31 @@ def connect_ray() -> bool:
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
     init: dict[str, Any] = {"namespace": "flowrl", "log_to_driver": False, "runtime_env": env}
     if s.ray_address is not None:
-        ray.init(address=s.ray_address, **init)
+        with _keep_sigterm_handler():
+            ray.init(address=s.ray_address, **init)
         return True
     init |= {"num_cpus": s.ray_num_cpus, "include_dashboard": False}
     if s.ray_num_gpus is not None:
         init["num_gpus"] = s.ray_num_gpus
     # Workers start when an actor asks for one: none sit idle beside the job.
     init["_system_config"] = {"prestart_worker_first_driver": False}
-    ray.init(address="local", **init)
+    with _keep_sigterm_handler():
+        ray.init(address="local", **init)
     return True
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler() -> Iterator[None]:
+    """``ray.init`` replaces the SIGTERM handler with its own ``sys.exit``: put back the
+    Python handler there was. In a flow run that is Prefect's, which takes the worker's SIGTERM
+    after a cancel as the cancel (CANCELLED, ``on_cancellation`` hooks) rather than as a crash
+    (CRASHED, "Execution was aborted by Python system exit call")."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(previous) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
 
 
 def task_runner() -> RayStageRunner:
@@ -103,7 +115,7 @@ class JobRun:
     and only then are the GPU slots given back, so no actor outlives its slots.
     """
 
-    def __init__(self, config: JobConfig, resume: bool = False):
+    def __init__(self, config: JobConfig, resume: bool = False, columns: tuple[Column, ...] = ()):
         self.config = config
         self.resume = resume
         settings = get_settings()
@@ -120,8 +132,6 @@ class JobRun:
         self.done_steps = 0
         self._policies: list[PolicyRef] = []
         self._exits = contextlib.ExitStack()
-        self._progress: tuple[Any, int] | None = None
-        self._bar: tqdm | None = None
         # Metrics reach MLflow from one background thread, in order, off the step's path, a
         # few steps per write (one transaction each; SQLite's cost is per write, not per value).
         self._metrics = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-metrics")
@@ -129,6 +139,10 @@ class JobRun:
         self._unsent: list[tuple[dict[str, float], int]] = []
         self._unsent_since = 0.0
         self._logged_through: dict[str, int] = {}  # a continued run's last step of each metric
+        self.page = RunPage(config.name, f"{settings.namespace or ''}-{config.name}", columns)
+        """What the run shows in the Prefect UI: its log lines, progress and artifacts; its
+        ``columns`` make the job's results table, step lines and curve (none: a table of
+        ``finish(table=)`` metrics, no step lines)."""
 
     def __enter__(self) -> JobRun:
         get_settings().apply_to_environment()
@@ -161,6 +175,8 @@ class JobRun:
             # Steps after the last checkpoint run again; the points a killed run already sent
             # for them stay and are not logged twice.
             self._logged_through = tracking.logged_through(run_id)
+            for row in tracking.metric_table(run_id, self.page.metrics, limit=10**9):
+                self.page.record(row, int(row.pop("step")))  # the table and curve of a resumed run
         self.storage.write_json(job_file, {"mlflow_run_id": run_id, "config": params})
         return run_id
 
@@ -170,8 +186,7 @@ class JobRun:
         env = getattr(self.config, "env", None)
         if env is not None and env.mode == "ray":  # the job's detached environment actors
             stop_env_pool(f"{self.ctx.run_name}-envs", env.ray_actors)
-        if self._bar is not None:
-            self._bar.close()
+        self.page.close()
 
     # ------------------------------------------------------------------------- workers
 
@@ -211,28 +226,26 @@ class JobRun:
 
     # ------------------------------------------------------------------------ progress
 
+    def say(self, line: str) -> None:
+        """One line of the run's log (``RunPage.say``)."""
+        self.page.say(line)
+
+    def phase(self, name: str, start: str = "started") -> contextlib.AbstractContextManager[Phase]:
+        """Log a phase of the job as it begins and ends (``RunPage.phase``)."""
+        return self.page.phase(name, start)
+
     def steps(self, start: int, total: int, stride: int = 1) -> Iterator[int]:
         """The first step of each chunk of ``stride`` steps from ``start`` to ``total``, with a
         progress bar and a Prefect progress artifact (``advance`` moves both)."""
-        artifact = create_progress_artifact(
-            progress=100.0 * start / total, description=f"steps of {self.config.name}"
-        )
-        self._progress = (artifact, total)
-        self._bar = tqdm(total=total, initial=start, desc=self.config.name, unit="step")
+        self.page.start_steps(start, total)
         self.done_steps = start
         yield from range(start, total, stride)
 
     def advance(self, done_steps: int, **postfix: float) -> None:
-        """``done_steps`` steps are done: progress bar, and the progress artifact every 10
-        steps and at the end (each update is an API round trip)."""
-        moved, self.done_steps = done_steps - self.done_steps, done_steps
-        if self._bar is not None:
-            self._bar.update(moved)
-            self._bar.set_postfix({k: f"{v:.2f}" for k, v in postfix.items()})
-        if self._progress is not None:
-            artifact, total = self._progress
-            if done_steps % 10 == 0 or done_steps >= total or moved >= 10:
-                update_progress_artifact(artifact, progress=100.0 * done_steps / total)
+        """``done_steps`` steps are done (call it after the step's evaluation, if any): the
+        progress, and the step's log line and the curve when due (``RunPage.advance``)."""
+        before, self.done_steps = self.done_steps, done_steps
+        self.page.advance(before, done_steps, postfix)
 
     # ------------------------------------------------------------------------- records
 
@@ -246,6 +259,7 @@ class JobRun:
             metrics = {k: v for k, v in metrics.items() if step > seen.get(k, -1)}
             if not metrics:
                 return
+        self.page.record(metrics, step)
         if not self._unsent:
             self._unsent_since = time.monotonic()
         self._unsent.append((metrics, step))
@@ -279,48 +293,24 @@ class JobRun:
     def finish(
         self,
         result: Any,
-        curves: tuple[str, ...] = (),
         plot: str = "reward_curve.png",
-        table: tuple[str, ...] | None = None,
+        table: tuple[str, ...] = (),
     ) -> None:
-        """The job succeeded: plot ``curves`` (metric names) into the run's ``plot`` artifact,
-        write the result (a dataclass) as ``result.json`` beside ``job.json``, give the Prefect
-        run its artifacts (a markdown summary, a results table of ``table`` metrics by step,
-        default ``curves``, and a link to the MLflow run), end the MLflow run."""
+        """The job succeeded: draw its plotted columns into the MLflow run's ``plot`` artifact
+        and the last ``<job>-curve``, write the result (a dataclass) as ``result.json`` beside
+        ``job.json``, give the Prefect run its artifacts (``RunPage.publish``: a results table
+        of the job's columns by step, or for a job without columns its ``table`` metrics), end
+        the MLflow run."""
         self.flush_metrics()
-        if curves:
-            tracking.log_reward_curve(self.run_id, list(curves), plot)
+        page = self.page
+        if any(c.plot for c in page.columns):
+            tracking.log_curve(self.run_id, page.curves(), plot)
+            page.draw_curve(f"final: {self.done_steps} steps")
         record = redact(dataclasses.asdict(result))
         self.storage.write_json(f"{self.ctx.prefix}/result.json", record)
-        self._prefect_artifacts(record, table if table is not None else curves)
+        rows = page.results_table() if page.columns else tracking.metric_table(self.run_id, table)
+        page.publish(record, rows, self.run_id, tracking.run_url(self.run_id))
         tracking.end_run(self.run_id)
-
-    def _prefect_artifacts(self, record: dict[str, Any], metrics: tuple[str, ...]) -> None:
-        key = _artifact_key(f"{self.ctx.namespace or ''}-{self.config.name}")
-        link = tracking.run_url(self.run_id)
-        create_link_artifact(
-            link, link_text=f"MLflow run {self.run_id}", key=f"{key}-mlflow", description="MLflow"
-        )
-        rows = tracking.metric_table(self.run_id, list(metrics))
-        if rows:
-            create_table_artifact(rows, key=f"{key}-results", description="metrics by step")
-        lines = [f"# {self.config.name}", "", f"MLflow run: [{self.run_id}]({link})", ""]
-        lines += ["| result | value |", "|---|---|"]
-        lines += [f"| {k} | {_cell(v)} |" for k, v in record.items()]
-        if rows:
-            last = ", ".join(f"{k} {_cell(v)}" for k, v in rows[-1].items())
-            lines += ["", f"Last logged step: {last}"]
-        create_markdown_artifact("\n".join(lines), key=f"{key}-summary", description="summary")
-
-
-def _artifact_key(name: str) -> str:
-    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
-    return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-") or "job"
-
-
-def _cell(value: Any) -> str:
-    text = f"{value:.4f}" if isinstance(value, float) else str(value)
-    return text.replace("|", "\\|").replace("\n", " ")[:200]
 
 
 def due(step: int, total: int, every: int, at_end: bool = False) -> bool:

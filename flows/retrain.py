@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefect import flow
+from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from flowrl.backends.actors import stop_policy
 from flowrl.flows.lifecycle import JobRun, task_runner
 from flowrl.flows.rl import rl_train
+from flowrl.flows.run_page import job_run_name
 from flowrl.infra import tracking
 from flowrl.infra.settings import get_settings
 from flowrl.tasks.common import derived_seed
@@ -63,24 +64,38 @@ def challenger_job(config: RetrainConfig, round_id: str, champion: str | None) -
     )
 
 
-@flow(name="retrain", task_runner=task_runner(), log_prints=True)
+@flow(
+    name="retrain",
+    task_runner=task_runner(),
+    log_prints=True,
+    flow_run_name=job_run_name(RetrainConfig),
+)
 def retrain(config: RetrainConfig = RetrainConfig()) -> RetrainDecision:  # noqa: B008
     get_settings().apply_to_environment()
+    logger = get_run_logger()
     name = config.job.registered_model_name
     round_id = (flow_run.get_id() or "local0000")[:8]
     champion = tracking.alias_version(name, config.alias)
-    trained = rl_train(challenger_job(config, round_id, champion))  # holds its own GPU slots
+    challenger_cfg = challenger_job(config, round_id, champion)
+    origin = f"from {name}@{config.alias} (version {champion})" if champion else "(no champion)"
+    logger.info("challenger: training job %s %s", challenger_cfg.name, origin)
+    trained = rl_train(challenger_cfg)  # holds its own GPU slots
     challenger = trained.model_uri.rsplit("/", 1)[1]
     with JobRun(config) as job:
         champion_uri = f"models:/{name}/{champion}"
-        champ_acc = accuracy(job, config.job, champion_uri, "champion") if champion else None
-        chall_acc = accuracy(job, config.job, trained.model_uri, "challenger")
+        with job.phase("evaluation", "champion and challenger on the held-out set") as phase:
+            champ_acc = accuracy(job, config.job, champion_uri, "champion") if champion else None
+            chall_acc = accuracy(job, config.job, trained.model_uri, "challenger")
+            champ = "none" if champ_acc is None else f"{champ_acc:.3f}"
+            phase.result = f"champion {champ}, challenger {chall_acc:.3f}"
         promote = should_promote(champ_acc, chall_acc, config.min_improvement)
         decision = ("promoted" if champion else "bootstrap") if promote else "kept"
         if promote:
             tracking.set_alias(name, config.alias, challenger)
         d = RetrainDecision(name, champion, challenger, champ_acc, chall_acc, decision, job.run_id)
         record_decision(config, job, d)
+        kept = d.challenger_version if d.decision != "kept" else d.champion_version
+        job.say(f"decision: {decision}; {name}@{config.alias} is version {kept}")
         job.finish(d, table=("retrain/champion_accuracy", "retrain/challenger_accuracy"))
     return d
 

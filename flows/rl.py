@@ -16,8 +16,9 @@ from prefect.utilities.annotations import quote
 
 from flowrl.flows.lifecycle import JobRun, StepClock, due, task_runner
 from flowrl.flows.rollouts import RolloutStream, step_times
+from flowrl.flows.run_page import Column, job_run_name
 from flowrl.tasks.jobs import RLJobConfig
-from flowrl.tasks.model import prepare_model, register, warmup
+from flowrl.tasks.model import describe_warmup, prepare_model, register, warmup, warmup_plan
 from flowrl.tasks.rl import checkpoint, evaluate, restore, rollout, score, update
 
 
@@ -38,26 +39,42 @@ class RLResult:
     """The checkpoint step this run resumed from, or None for a fresh start."""
 
 
-@flow(name="rl-train", task_runner=task_runner(), log_prints=True)
+COLUMNS = (
+    Column("reward/mean", ("reward/mean",), "reward {:.3f}", plot=True),
+    Column("accuracy", ("eval/accuracy", "final/accuracy"), "accuracy {:.3f}", True, plot=True),
+    Column("loss", ("train/loss",), "loss {:.4f}"),
+    Column("seconds", ("time/step_s",), "{:.2f} s/step"),
+)
+"""The results table, step lines and curve of an RL job: the step's mean reward, held-out
+accuracy where evaluated (before RL at step 0, every ``eval_every``, the final), the update's
+loss and the step's wall seconds."""
+
+
+@flow(
+    name="rl-train",
+    task_runner=task_runner(),
+    log_prints=True,
+    flow_run_name=job_run_name(RLJobConfig),
+)
 def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
     logger = get_run_logger()
     # GPU slots are held from before any worker starts until every worker has stopped.
-    with JobRun(config, resume=True) as job:
+    with JobRun(config, resume=True, columns=COLUMNS) as job:
         # Every stage is submitted to the task runner: each runs as a Ray task on the cluster.
         base_uri = prepare_model.submit(config, job.ctx).result()
         # A warm-up that ran hands over its workers: RL restarts them, no new processes.
-        warm = warmup.submit(config, job.ctx, base_uri, keep_workers=True).result()
-        if warm.skipped:
-            logger.info("warm-up skipped: %s", warm.skipped)
-        else:
-            logger.info("warm-up: %s", warm)
+        with job.phase("warm-up", warmup_plan(config)) as phase:
+            warm = warmup.submit(config, job.ctx, base_uri, keep_workers=True).result()
+            phase.result = describe_warmup(warm)
         policy = job.start_policy(warm.model_uri, adopt=warm.workers)
         resumed = restore.submit(job.ctx, policy).result()
         start, cursor, acc_start = resume_point(resumed)
         if acc_start is None:
-            start_eval = evaluate.submit(config, job.ctx, warm.model_uri, policy).result()
-            acc_start = start_eval.accuracy
-            job.log(start_eval.metrics(), step=0)
+            with job.phase("evaluation before RL") as phase:
+                start_eval = evaluate.submit(config, job.ctx, warm.model_uri, policy).result()
+                acc_start = start_eval.accuracy
+                job.log(start_eval.metrics(), step=0)
+                phase.result = f"held-out accuracy {acc_start:.3f}"
         # The per-step stages get the config and context quoted: Prefect does not walk them
         # looking for futures on every submit (~1 ms a task run at the default job).
         cfg, ctx = quote(config), quote(job.ctx)
@@ -68,30 +85,39 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
             total_steps=config.schedule.steps,
         )
         clock = StepClock()
-        for step in job.steps(start, config.schedule.steps):
-            batch = rollouts.take(step)  # off_policy_steps 1: starts step + 1's rollout too
-            scored = score.submit(cfg, ctx, policy, quote(batch)).result()
-            updated = update.submit(cfg, ctx, policy, quote(scored)).result()
-            settled = rollouts.settle(policy)  # then eval and checkpoints see no rollout running
-            times = step_times(clock.lap(), scored, updated, settled)
-            job.log(scored.metrics | updated.metrics | times, step + 1)
-            if step % 10 == 0 and scored.samples:
-                job.log_json(scored.samples, f"samples/step-{step + 1:05d}.json")
-            job.advance(step + 1, reward=scored.metrics.get("reward/mean", 0.0))
-            if due(step, config.schedule.steps, config.schedule.eval_every):
-                result = evaluate.submit(config, job.ctx, warm.model_uri, policy).result()
-                job.log(result.metrics(), step + 1)
-            if due(step, config.schedule.steps, config.schedule.checkpoint_every, at_end=True):
-                meta = {"cursor": batch.cursor, "accuracy_start": acc_start}
-                job.flush_metrics()  # the steps a checkpoint keeps keep their metrics
-                checkpoint.submit(config, job.ctx, policy, step + 1, meta).result()
-        final = evaluate.submit(config, job.ctx, warm.model_uri, policy).result()
-        metrics = final.metrics("final")
-        job.log(metrics, config.schedule.steps)
+        total = config.schedule.steps
+        plan = f"steps {start + 1}-{total}" if start < total else "no steps left"
+        plan += f", resumed from the checkpoint at step {start}" if resumed else ", fresh start"
+        with job.phase("RL", plan) as phase:
+            for step in job.steps(start, total):
+                batch = rollouts.take(step)  # off_policy_steps 1: starts step + 1's rollout too
+                scored = score.submit(cfg, ctx, policy, quote(batch)).result()
+                updated = update.submit(cfg, ctx, policy, quote(scored)).result()
+                settled = rollouts.settle(policy)  # then eval and checkpoints see no rollout
+                times = step_times(clock.lap(), scored, updated, settled)
+                job.log(scored.metrics | updated.metrics | times, step + 1)
+                if step % 10 == 0 and scored.samples:
+                    job.log_json(scored.samples, f"samples/step-{step + 1:05d}.json")
+                if due(step, total, config.schedule.eval_every):
+                    result = evaluate.submit(config, job.ctx, warm.model_uri, policy).result()
+                    job.log(result.metrics(), step + 1)
+                job.advance(step + 1, reward=scored.metrics.get("reward/mean", 0.0))
+                if due(step, total, config.schedule.checkpoint_every, at_end=True):
+                    meta = {"cursor": batch.cursor, "accuracy_start": acc_start}
+                    job.flush_metrics()  # the steps a checkpoint keeps keep their metrics
+                    checkpoint.submit(config, job.ctx, policy, step + 1, meta).result()
+            phase.result = f"done, {job.done_steps - start} steps"
+        with job.phase("final evaluation") as phase:
+            final = evaluate.submit(config, job.ctx, warm.model_uri, policy).result()
+            metrics = final.metrics("final")
+            job.log(metrics, total)
+            phase.result = f"held-out accuracy {final.accuracy:.3f} ({acc_start:.3f} before RL)"
         job.flush_metrics()  # the version links the run's own points of these metrics
-        registered = register.submit(
-            config, job.ctx, policy, job.run_id, metrics, base_uri
-        ).result()
+        with job.phase("registration", f"as a version of {config.registered_model_name}") as ph:
+            registered = register.submit(
+                config, job.ctx, policy, job.run_id, metrics, base_uri
+            ).result()
+            ph.result = f"registered {registered}"
         result = RLResult(
             job=config.name,
             model_uri=registered,
@@ -101,7 +127,7 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
             steps=job.done_steps,
             resumed_from=start if resumed else None,
         )
-        job.finish(result, curves=("reward/mean", "eval/accuracy"))
+        job.finish(result)
     logger.info("accuracy %.3f -> %.3f; registered %s", acc_start, final.accuracy, registered)
     return result
 

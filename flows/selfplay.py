@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from prefect import flow, get_run_logger
 
 from flowrl.backends.actors import PolicyRef
-from flowrl.flows.lifecycle import JobRun, due, task_runner
+from flowrl.flows.lifecycle import JobRun, StepClock, due, task_runner
+from flowrl.flows.run_page import Column, job_run_name
 from flowrl.tasks.jobs import SelfPlayJobConfig
-from flowrl.tasks.model import prepare_model, register, warmup
+from flowrl.tasks.model import describe_warmup, prepare_model, register, warmup, warmup_plan
 from flowrl.tasks.rl import score, update
 from flowrl.tasks.selfplay import (
     agent_context,
@@ -48,51 +49,86 @@ class SelfPlayResult:
     """The checkpoint step this run resumed from, or None for a fresh start."""
 
 
-@flow(name="self-play", task_runner=task_runner(), log_prints=True)
+def columns(owners: tuple[str, ...]) -> tuple[Column, ...]:
+    """The results table, step lines and curve of a self-play job: each trained policy's mean
+    reward, its score against the game's reference opponent where evaluated, its update's
+    loss, and the step's wall seconds."""
+
+    def per_owner(name: str, metric: str, text: str, **kw: bool) -> list[Column]:
+        return [Column(f"{o}/{name}", (metric.format(o),), f"{o} {text}", **kw) for o in owners]
+
+    return (
+        *per_owner("reward/mean", "{}/reward/mean", "reward {:.3f}", plot=True),
+        *per_owner("score", "eval/{}/accuracy", "score {:.3f}", evaluated=True, plot=True),
+        *per_owner("loss", "{}/train/loss", "loss {:.4f}"),
+        Column("seconds", ("time/step_s",), "{:.2f} s/step"),
+    )
+
+
+@flow(
+    name="self-play",
+    task_runner=task_runner(),
+    log_prints=True,
+    flow_run_name=job_run_name(SelfPlayJobConfig),
+)
 def self_play(config: SelfPlayJobConfig = SelfPlayJobConfig()) -> SelfPlayResult:  # noqa: B008
     logger = get_run_logger()
-    with JobRun(config, resume=True) as job:
+    owners = trained_policies(config)
+    with JobRun(config, resume=True, columns=columns(owners)) as job:
         base_uri = prepare_model.submit(config, job.ctx).result()
-        warm = warmup.submit(config, job.ctx, base_uri, keep_workers=True).result()
+        with job.phase("warm-up", warmup_plan(config)) as phase:
+            warm = warmup.submit(config, job.ctx, base_uri, keep_workers=True).result()
+            phase.result = describe_warmup(warm)
         model_uri = warm.model_uri
-        owners = trained_policies(config)
         ctxs = {o: agent_context(job.ctx, o) for o in owners}
         # The first policy restarts the warm-up's workers (if it ran); the others start anew.
         adopt = dict.fromkeys(owners[:1], warm.workers)
         refs = {o: job.start_policy(model_uri, ctxs[o].run_name, adopt.get(o)) for o in owners}
         by_agent = {a: refs["shared" if config.shared_policy else a] for a in config.agents}
         start = restore_policies.submit(ctxs, refs).result()
-        for step in job.steps(start, config.schedule.steps):
-            # Barrier 1: the rollout phase (every game of every agent) ends before any update.
-            duel = duel_rollout.submit(config, job.ctx, model_uri, by_agent, step).result()
-            scored = {o: score.submit(config, ctxs[o], refs[o], duel.batches[o]) for o in owners}
-            updates = {o: update.submit(config, ctxs[o], refs[o], scored[o]) for o in owners}
-            # Barrier 2: every update and weight sync ends before the next rollout.
-            updated = {o: updates[o].result() for o in owners}
-            job.log(duel.metrics, step + 1)
-            for o in owners:
-                metrics = scored[o].result().metrics | updated[o].metrics
-                job.log({f"{o}/{k}": v for k, v in metrics.items()}, step + 1)
-            outcomes = {f"{a}_outcome": duel.metrics[f"agent-{a}/outcome"] for a in config.agents}
-            job.advance(step + 1, **outcomes)
-            if due(step, config.schedule.steps, config.schedule.eval_every, at_end=True):
-                job.log(_evaluate(config, job, model_uri, refs, by_agent), step + 1)
-            if due(step, config.schedule.steps, config.schedule.checkpoint_every, at_end=True):
-                job.flush_metrics()  # the steps a checkpoint keeps keep their metrics
-                checkpoint_policies.submit(config, ctxs, refs, step + 1).result()
-        final = _evaluate(config, job, model_uri, refs, by_agent)
+        total, clock = config.schedule.steps, StepClock()
+        plan = f"steps {start + 1}-{total}" if start < total else "no steps left"
+        plan += f", resumed from the checkpoint at step {start}" if start else ", fresh start"
+        with job.phase("self-play", f"{plan}; policies {', '.join(owners)}") as phase:
+            for step in job.steps(start, total):
+                # Barrier 1: the rollout phase (every game of every agent) ends before any update.
+                duel = duel_rollout.submit(config, job.ctx, model_uri, by_agent, step).result()
+                scored = {
+                    o: score.submit(config, ctxs[o], refs[o], duel.batches[o]) for o in owners
+                }
+                updates = {o: update.submit(config, ctxs[o], refs[o], scored[o]) for o in owners}
+                # Barrier 2: every update and weight sync ends before the next rollout.
+                updated = {o: updates[o].result() for o in owners}
+                job.log(duel.metrics | {"time/step_s": clock.lap()}, step + 1)
+                for o in owners:
+                    metrics = scored[o].result().metrics | updated[o].metrics
+                    job.log({f"{o}/{k}": v for k, v in metrics.items()}, step + 1)
+                if due(step, total, config.schedule.eval_every, at_end=True):
+                    job.log(_evaluate(config, job, model_uri, refs, by_agent), step + 1)
+                outcomes = {
+                    f"{a}_outcome": duel.metrics[f"agent-{a}/outcome"] for a in config.agents
+                }
+                job.advance(step + 1, **outcomes)
+                if due(step, total, config.schedule.checkpoint_every, at_end=True):
+                    job.flush_metrics()  # the steps a checkpoint keeps keep their metrics
+                    checkpoint_policies.submit(config, ctxs, refs, step + 1).result()
+            phase.result = f"done, {job.done_steps - start} steps"
+        with job.phase("final evaluation", "each policy against the reference opponent") as ph:
+            final = _evaluate(config, job, model_uri, refs, by_agent)
+            scores = {o: final[f"eval/{o}/accuracy"] for o in owners}
+            ph.result = "score " + ", ".join(f"{o} {v:.3f}" for o, v in scores.items())
         job.flush_metrics()  # the versions link the run's own points of their metrics
         uris = {}
         for o in owners:
             named = config.model_copy(update={"register_as": f"{config.model_name}-{o}"})
             metrics = {k: v for k, v in final.items() if k.startswith(f"eval/{o}/")}
-            submitted = register.submit(named, ctxs[o], refs[o], job.run_id, metrics, base_uri)
-            uris[o] = submitted.result()
-        scores = {o: final[f"eval/{o}/accuracy"] for o in owners}
+            with job.phase(f"registration of {o}") as ph:
+                submitted = register.submit(named, ctxs[o], refs[o], job.run_id, metrics, base_uri)
+                uris[o] = submitted.result()
+                ph.result = f"registered {uris[o]}"
         resumed = start or None
         result = SelfPlayResult(config.name, uris, scores, job.run_id, job.done_steps, resumed)
-        outcome = tuple(f"agent-{a}/outcome" for a in config.agents)
-        job.finish(result, table=outcome + tuple(f"eval/{o}/accuracy" for o in owners))
+        job.finish(result)
     logger.info("score vs heuristic %s; registered %s", scores, uris)
     return result
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from prefect import flow, get_run_logger
 
 from flowrl.flows.lifecycle import JobRun, task_runner
-from flowrl.infra import tracking
+from flowrl.flows.run_page import Column, job_run_name
 from flowrl.tasks.jobs import SFTJobConfig
 from flowrl.tasks.model import prepare_model, register
 from flowrl.tasks.sft import evaluate_exact_match, prepare_data, train_steps
@@ -30,33 +30,57 @@ class SFTResult:
     steps: int
 
 
-@flow(name="sft-train", task_runner=task_runner(), log_prints=True)
+COLUMNS = (
+    Column("loss", ("train/loss",), "loss {:.4f}", plot=True),
+    Column("exact_match", ("eval/exact_match",), "exact match {:.3f}", True, plot=True),
+    Column("seconds", ("time/step_s",), "{:.3f} s/step"),
+)
+"""The results table, step lines and curve of an SFT job: the step's loss, held-out exact
+match where evaluated (before training at step 0 and every ``eval_every`` steps), and the
+step's seconds (its chunk's training time over its steps)."""
+
+
+@flow(
+    name="sft-train",
+    task_runner=task_runner(),
+    log_prints=True,
+    flow_run_name=job_run_name(SFTJobConfig),
+)
 def sft_train(config: SFTJobConfig) -> SFTResult:
     logger = get_run_logger()
-    with JobRun(config) as job:
+    with JobRun(config, columns=COLUMNS) as job:
         base_uri = prepare_model.submit(config, job.ctx).result()
         data = prepare_data.submit(config, job.ctx).result()
         policy = job.start_policy(base_uri)
-        first = evaluate_exact_match.submit(config, job.ctx, base_uri, policy, data).result()
-        job.log(first.metrics(), step=0)
+        with job.phase("evaluation before SFT") as phase:
+            first = evaluate_exact_match.submit(config, job.ctx, base_uri, policy, data).result()
+            job.log(first.metrics(), step=0)
+            phase.result = f"held-out exact match {first.exact_match:.3f}"
         cursor, last, total = None, first, config.train.steps
-        for step in job.steps(0, total, stride=config.train.eval_every):
-            n = min(config.train.eval_every, total - step)
-            chunk = train_steps.submit(config, job.ctx, base_uri, policy, data, n, cursor).result()
-            cursor = chunk.cursor
-            tracking.log_series(job.run_id, "train/loss", chunk.losses, first_step=step + 1)
-            job.log(chunk.metrics, step + n)
-            last = evaluate_exact_match.submit(config, job.ctx, base_uri, policy, data).result()
-            job.log(last.metrics(), step + n)
-            job.advance(step + n, exact_match=last.exact_match)
+        with job.phase("SFT", f"{total} steps, evaluated every {config.train.eval_every}") as ph:
+            for step in job.steps(0, total, stride=config.train.eval_every):
+                n = min(config.train.eval_every, total - step)
+                chunk = train_steps.submit(
+                    config, job.ctx, base_uri, policy, data, n, cursor
+                ).result()
+                cursor = chunk.cursor
+                for i, loss in enumerate(chunk.losses):
+                    job.log({"train/loss": loss, "time/step_s": chunk.seconds / n}, step + 1 + i)
+                job.log(chunk.metrics, step + n)
+                last = evaluate_exact_match.submit(config, job.ctx, base_uri, policy, data).result()
+                job.log(last.metrics(), step + n)
+                job.advance(step + n, exact_match=last.exact_match)
+            ph.result = f"held-out exact match {first.exact_match:.3f} -> {last.exact_match:.3f}"
         job.flush_metrics()  # the version links the run's own points of these metrics
-        registered = register.submit(
-            config, job.ctx, policy, job.run_id, last.metrics(), base_uri
-        ).result()
+        with job.phase("registration", f"as a version of {config.registered_model_name}") as ph:
+            registered = register.submit(
+                config, job.ctx, policy, job.run_id, last.metrics(), base_uri
+            ).result()
+            ph.result = f"registered {registered}"
         result = SFTResult(
             config.name, registered, first.exact_match, last.exact_match, job.run_id, total
         )
-        job.finish(result, curves=("train/loss", "eval/exact_match"), plot="sft_curve.png")
+        job.finish(result, plot="sft_curve.png")
     logger.info(
         "exact match %.3f -> %.3f; registered %s",
         result.exact_match_start,

@@ -91,9 +91,23 @@ class Settings(BaseSettings):
         description="GPUs in the work pool (slots of the `gpu` limit); unset = the declaration's.",
     )
 
+    config_dir: Path | None = Field(
+        default=None,
+        description="The user's flowrl folder: holds the pointer to the running local stack "
+        "(stack.json), so `flowrl jobs` finds it from any directory; "
+        "unset = $XDG_CONFIG_HOME/flowrl, else ~/.config/flowrl.",
+    )
+
     @cached_property
     def resolved_home(self) -> Path:
         return self.home.expanduser().resolve()
+
+    @property
+    def resolved_config_dir(self) -> Path:
+        if self.config_dir is not None:
+            return self.config_dir.expanduser().resolve()
+        base = os.environ.get("XDG_CONFIG_HOME") or "~/.config"
+        return (Path(base).expanduser() / "flowrl").resolve()
 
     @property
     def tracking_uri(self) -> str:

@@ -4,9 +4,16 @@
 MLflow tracking server (SQLite backend, artifacts proxied to S3), a Prefect server, a Ray head,
 then applies the scheduler declaration and the deployments and starts a process worker on the
 pool. Each component runs in its own process group; PIDs, ports and the environment a client
-needs are kept in ``<FLOWRL_HOME>/stack/state.json``. ``flowrl stack down`` stops them by PID in
-reverse order (the worker before the Prefect server). ``docs/stack.md`` says how production
-swaps each one.
+needs are kept in ``<FLOWRL_HOME>/stack/state.json``, and a pointer to that file in the user's
+config folder (``<FLOWRL_CONFIG_DIR>/stack.json``, default ``~/.config/flowrl/stack.json``) lets a
+client in any directory find the stack. ``flowrl stack down`` stops them by PID in reverse order
+(the worker before the Prefect server) and removes both files. ``docs/stack.md`` says how
+production swaps each one.
+
+A client (``flowrl jobs``, ``flowrl infra up``) finds its Prefect API in this order:
+``PREFECT_API_URL`` / ``FLOWRL_PREFECT_API_URL`` if set; else the running stack of
+``<FLOWRL_HOME>/stack/state.json``; else the running stack the pointer names. With none of them
+it stops with ``NoStackError`` and writes nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +39,16 @@ BIN = Path(sys.executable).parent
 REPOSSESSOR_LOOP_SECONDS = 5
 WORKER_QUERY_SECONDS = 1  # Prefect's default of 10 s would dominate submission -> start
 STOP_ORDER = ("worker", "ray", "prefect", "mlflow", "moto")
+POINTER_NAME = "stack.json"
+# Flow runs started by the stack's worker send no task-run INFO lines to the API (one "Finished
+# in state Completed()" per stage and step drowned the flow's own lines); task-run warnings and
+# errors still go, and the flow-run logger stays at INFO. Prefect reads any key of its
+# logging.yml from PREFECT_LOGGING_<PATH>_<TO>_<KEY>.
+TASK_RUN_LOG_LEVEL = {"PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL": "WARNING"}
+
+
+class NoStackError(RuntimeError):
+    """No Prefect API is set and no local stack is running: a client has nothing to talk to."""
 
 
 @dataclass
@@ -48,9 +65,25 @@ class StackState:
     components: dict[str, Component] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def ui(self) -> dict[str, str]:
+        """Links for a browser: ``prefect`` (the Prefect UI, the server's root, not ``/api``)
+        and ``mlflow`` (the MLflow UI), for the components that were started."""
+        links = {}
+        if "prefect" in self.components:
+            links["prefect"] = self.components["prefect"].url.removesuffix("api")
+        if "mlflow" in self.components:
+            links["mlflow"] = self.components["mlflow"].url.rstrip("/") + "/"
+        return links
+
+    def running(self) -> bool:
+        """Every component's process is alive."""
+        return bool(self.components) and all(_alive(c.pid) for c in self.components.values())
+
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(self), indent=2))
+        # ``ui`` is written for scripts reading the file; it is recomputed on load.
+        path.write_text(json.dumps({**asdict(self), "ui": self.ui}, indent=2))
 
     @classmethod
     def load(cls, path: Path) -> StackState | None:
@@ -66,7 +99,68 @@ def stack_dir() -> Path:
 
 
 def state_file() -> Path:
+    """The state file of the stack under ``FLOWRL_HOME``."""
     return stack_dir() / "state.json"
+
+
+def pointer_file() -> Path:
+    """``<FLOWRL_CONFIG_DIR>/stack.json``: names the state file of the stack started last."""
+    return get_settings().resolved_config_dir / POINTER_NAME
+
+
+def read_pointer() -> Path | None:
+    """The state file the pointer names; None without a readable pointer."""
+    try:
+        return Path(json.loads(pointer_file().read_text())["state_file"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_pointer(path: Path) -> None:
+    pointer = pointer_file()
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    home = str(path.parent.parent)
+    pointer.write_text(json.dumps({"state_file": str(path), "home": home}, indent=2) + "\n")
+
+
+def _remove_pointer(path: Path) -> None:
+    """Remove the pointer if it names ``path`` (a later stack elsewhere keeps its own)."""
+    if read_pointer() == path:
+        pointer_file().unlink(missing_ok=True)
+
+
+def known_state_file() -> Path | None:
+    """The state file ``stack status|env|down`` act on: the one under ``FLOWRL_HOME`` if it
+    exists, else the one the pointer names; None if neither exists."""
+    for path in (state_file(), read_pointer()):
+        if path is not None and path.exists():
+            return path
+    return None
+
+
+def find_stack() -> StackState:
+    """The running local stack: the one under ``FLOWRL_HOME``, else the one the pointer
+    names. Raises ``NoStackError`` (one line, naming what to do) if none is running."""
+    own = state_file()
+    pointed = read_pointer()
+    stopped: list[StackState] = []
+    for path in (own, pointed) if pointed not in (None, own) else (own,):
+        state = StackState.load(path)
+        if state is not None and state.running():
+            return state
+        if state is not None:
+            stopped.append(state)
+    if stopped:
+        home = stopped[0].env.get("FLOWRL_HOME", str(get_settings().resolved_home))
+        raise NoStackError(
+            f"the flowrl stack in {home} is not running (some of its processes exited) and no "
+            f"Prefect API is set; restart it with `FLOWRL_HOME={home} flowrl stack up` "
+            "or set PREFECT_API_URL"
+        )
+    raise NoStackError(
+        "no flowrl stack is running and no Prefect API is set; start one with "
+        "`flowrl stack up` or set PREFECT_API_URL"
+    )
 
 
 def _spawn(name: str, cmd: list[str], env: dict[str, str], state: StackState, url: str) -> int:
@@ -123,24 +217,39 @@ def stop_component(name: str, comp: Component, timeout: float = 20.0) -> None:
             time.sleep(0.2)
 
 
+def default_gpus() -> int:
+    """GPU slots of a local stack without ``--gpus``: the declaration's ``pool.gpus`` (2 in
+    ``infra/scheduler.yaml``; ``FLOWRL_POOL_GPUS`` overrides it)."""
+    from flowrl.infra.scheduler import load_scheduler
+
+    return load_scheduler().pool.gpus
+
+
 def stack_up(
     gpus: int | None = None, deploy: bool = True, ray: bool = True, progress: bool = False
 ) -> StackState:
     """Start every component (idempotent: a running stack is returned as is); ``progress``
-    prints a line to stderr as each one is up, with the seconds it took."""
+    prints a line to stderr as each one is up, with the seconds it took.
+
+    ``gpus`` (default ``default_gpus()``) is both the pool's GPU slots and the Ray head's
+    ``--num-gpus``: logical GPUs on a machine without any, so a job asking for
+    ``resources.gpus=1`` is admitted and its actors, given a logical GPU, run on the CPU."""
     existing = StackState.load(state_file())
-    if existing and all(_alive(c.pid) for c in existing.components.values()):
+    if existing and existing.running():
+        _write_pointer(state_file())
         return existing
     if existing:
         stack_down()
     stack_dir().mkdir(parents=True, exist_ok=True)
     state = StackState()
+    gpus = default_gpus() if gpus is None else gpus
     try:
         _start_all(state, gpus, deploy, ray, _Progress(progress))
     except BaseException:
         _stop_all(state)
         state_file().unlink(missing_ok=True)
         raise
+    _write_pointer(state_file())
     return state
 
 
@@ -158,9 +267,7 @@ class _Progress:
             self.last = now
 
 
-def _start_all(
-    state: StackState, gpus: int | None, deploy: bool, ray: bool, say: _Progress
-) -> None:
+def _start_all(state: StackState, gpus: int, deploy: bool, ray: bool, say: _Progress) -> None:
     home = stack_dir()
     s3 = {**TEST_CREDENTIALS}
     port = free_port()
@@ -191,6 +298,9 @@ def _start_all(
     prefect_env = {
         "PREFECT_HOME": str(home / "prefect"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        # The UI in a browser talks to this server's API, on whatever port it got.
+        "PREFECT_SERVER_UI_API_URL": prefect_url,
+        "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
         # Expired GPU-slot leases (a killed job's) are reclaimed every 5 s, not every 15 s.
         "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": str(REPOSSESSOR_LOOP_SECONDS),
     }
@@ -211,10 +321,9 @@ def _start_all(
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "RAY_USAGE_STATS_ENABLED": "0",
     }
-    if gpus is not None or ray:
-        # Admission matches placement: the pool's GPU slots are the GPUs the Ray head offers,
-        # so a job asking for more is refused at submission instead of waiting forever.
-        state.env["FLOWRL_POOL_GPUS"] = str(gpus or 0)
+    # Admission matches placement: the pool's GPU slots are the GPUs the Ray head offers, so
+    # a job asking for more is refused at submission instead of waiting forever.
+    state.env["FLOWRL_POOL_GPUS"] = str(gpus)
     if get_settings().scheduler_file is not None:
         state.env["FLOWRL_SCHEDULER_FILE"] = str(get_settings().scheduler_file.resolve())
     if ray:
@@ -223,11 +332,11 @@ def _start_all(
         ray_tmp = tempfile.mkdtemp(prefix="flowrl-ray-")
         cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", HOST]
         cmd += ["--port", str(port), "--num-cpus", str(get_settings().ray_num_cpus)]
-        cmd += ["--num-gpus", str(gpus or 0), "--include-dashboard", "false"]
+        cmd += ["--num-gpus", str(gpus), "--include-dashboard", "false"]
         cmd += ["--disable-usage-stats", "--temp-dir", ray_tmp]
         _spawn("ray", cmd, {"RAY_USAGE_STATS_ENABLED": "0"}, state, f"{HOST}:{port}")
         _wait_tcp(port, 120)
-        say(f"Ray head on {HOST}:{port} ({gpus or 0} GPUs)")
+        say(f"Ray head on {HOST}:{port} ({gpus} GPUs)")
         # Ray 2.60 has token auth on by default; drivers joining the head must use it too.
         state.env |= {"FLOWRL_RAY_ADDRESS": f"{HOST}:{port}", "RAY_AUTH_MODE": "token"}
     state.save(state_file())
@@ -238,8 +347,10 @@ def _start_all(
     worker_env = {
         **state.env,
         "PREFECT_WORKER_QUERY_SECONDS": str(WORKER_QUERY_SECONDS),
-        # Flow and task logs reach the Prefect API at INFO (the CLI quiets its own terminal).
+        # Flow logs reach the Prefect API at INFO (the CLI quiets its own terminal); task-run
+        # logs at WARNING.
         "PREFECT_LOGGING_LEVEL": "INFO",
+        **TASK_RUN_LOG_LEVEL,
         "PREFECT_HOME": str(stack_dir() / "worker-home"),
     }
     pid = _spawn("worker", cmd, worker_env, state, prefect_url)
@@ -274,24 +385,26 @@ def _stop_all(state: StackState) -> None:
             stop_component(name, state.components[name])
 
 
-def stack_down() -> list[str]:
-    """Stop what the state file lists, worker first; remove the state file."""
-    state = StackState.load(state_file())
+def stack_down(path: Path | None = None) -> list[str]:
+    """Stop what the state file lists (default: the one under ``FLOWRL_HOME``), worker first;
+    remove the state file and the pointer to it."""
+    path = path or state_file()
+    state = StackState.load(path)
     if state is None:
         return []
     _stop_all(state)
-    state_file().unlink(missing_ok=True)
+    path.unlink(missing_ok=True)
+    _remove_pointer(path)
     return [n for n in STOP_ORDER if n in state.components]
 
 
-def apply_stack_env() -> bool:
-    """Point this process at a running local stack (if any and no API is configured)."""
-    state = StackState.load(state_file())
-    if (
-        state is None
-        or os.environ.get("PREFECT_API_URL")
-        or os.environ.get("FLOWRL_PREFECT_API_URL")
-    ):
-        return False
+def apply_stack_env() -> StackState | None:
+    """Point this process at the running local stack (``find_stack``) unless a Prefect API is
+    set (``PREFECT_API_URL`` or ``FLOWRL_PREFECT_API_URL``), which wins: returns the stack
+    used, or None when an API was set. Raises ``NoStackError`` when neither exists, having
+    written nothing."""
+    if os.environ.get("PREFECT_API_URL") or os.environ.get("FLOWRL_PREFECT_API_URL"):
+        return None
+    state = find_stack()
     os.environ.update(state.env)
-    return True
+    return state

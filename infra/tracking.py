@@ -9,17 +9,37 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlflow
 from mlflow import MlflowClient
-from mlflow.entities import Dataset, DatasetInput, InputTag, Metric, Param, RunTag
+from mlflow.entities import (
+    Dataset,
+    DatasetInput,
+    InputTag,
+    LoggedModelOutput,
+    Metric,
+    Param,
+    RunTag,
+)
 
 from flowrl.infra.redact import redact, redact_text
 from flowrl.infra.settings import get_settings
 
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
+
 NAMESPACE_TAG = "flowrl.namespace"
 """Tag of a run and a registered model: the namespace of the job that created it."""
+
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+"""The experiment tag the MLflow UI's kind selector writes (``custom_model_development`` for
+model training, ``genai_development`` for GenAI); flowrl's experiments are model training."""
+TRAINING_KIND = "custom_model_development"
+TRAINING_VIEW = "workflowType=machine_learning"
+"""The MLflow UI's query parameter for its "Model training" view. MLflow 3.17's UI picks the
+view from this parameter (else the browser's last choice, GenAI by default), not from the
+experiment's kind tag: flowrl's links to the UI carry it."""
 
 
 def client() -> MlflowClient:
@@ -82,15 +102,17 @@ def experiment_id(name: str) -> str:
     store both get the one experiment (the loser of the create race reads the winner's)."""
     c = client()
     found = c.get_experiment_by_name(name)
-    if found is not None:
-        return found.experiment_id
-    try:
-        return c.create_experiment(name, artifact_root())
-    except mlflow.exceptions.MlflowException:
-        found = c.get_experiment_by_name(name)
-        if found is None:
-            raise
-        return found.experiment_id
+    if found is None:
+        kind = {EXPERIMENT_KIND_TAG: TRAINING_KIND}
+        try:
+            return c.create_experiment(name, artifact_root(), tags=kind)
+        except mlflow.exceptions.MlflowException:
+            found = c.get_experiment_by_name(name)
+            if found is None:
+                raise
+    if EXPERIMENT_KIND_TAG not in found.tags:  # made before flowrl tagged its experiments
+        c.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND_TAG, TRAINING_KIND)
+    return found.experiment_id
 
 
 def start_run(
@@ -188,26 +210,53 @@ def log_json(run_id: str, obj: Any, artifact_file: str) -> None:
     client().log_dict(run_id, obj, artifact_file)
 
 
-def log_reward_curve(run_id: str, metric_names: list[str], artifact_file: str) -> None:
-    """Plot the logged history of ``metric_names`` against step into a PNG artifact."""
-    import matplotlib
+Series = dict[str, list[tuple[int, float]]]
+"""Curves to draw: name → ``[(step, value), ...]``."""
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+SPARSE_POINTS = 60
+"""A series with at most this many points is drawn with a marker at each (a single point of
+a line is otherwise invisible)."""
 
-    c = client()
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name in metric_names:
-        history = sorted(c.get_metric_history(run_id, name), key=lambda m: m.step)
-        if history:
-            ax.plot([m.step for m in history], [m.value for m in history], label=name)
-    ax.set_xlabel("RL step")
+
+def curve_figure(
+    series: Series, xlabel: str = "step", size: tuple[float, float] = (7, 4)
+) -> Figure:
+    """A matplotlib figure of ``series`` against step (no pyplot: no global state, drawn by
+    Agg); every series with a point gets its legend entry and a visible mark (sparse ones a
+    marker at each point)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size)
+    ax = fig.subplots()
+    for name, points in series.items():
+        if points:
+            steps, values = zip(*sorted(points), strict=True)
+            marker = "o" if len(points) <= SPARSE_POINTS else None
+            ax.plot(steps, values, label=name, marker=marker, markersize=4)
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("value")
     if ax.lines:
         ax.legend()
     ax.grid(alpha=0.3)
-    c.log_figure(run_id, fig, artifact_file)
-    plt.close(fig)
+    fig.tight_layout()
+    return fig
+
+
+def curve_png(
+    series: Series, xlabel: str = "step", size: tuple[float, float] = (6, 3.5), dpi: int = 80
+) -> bytes:
+    """``series`` drawn as a small PNG (``curve_figure``), e.g. to embed in a Prefect markdown
+    artifact; 6 x 3.5 in at 80 dpi is ~20 KB."""
+    import io
+
+    buffer = io.BytesIO()
+    curve_figure(series, xlabel, size).savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()
+
+
+def log_curve(run_id: str, series: Series, artifact_file: str, xlabel: str = "step") -> None:
+    """``series`` drawn into a PNG artifact of the run (``curve_figure``)."""
+    client().log_figure(run_id, curve_figure(series, xlabel), artifact_file)
 
 
 def end_run(run_id: str, status: str = "FINISHED") -> None:
@@ -284,7 +333,12 @@ def register_policy(
         c.finalize_logged_model(logged.model_id, "FAILED")
         raise
     c.finalize_logged_model(logged.model_id, "READY")
-    c.log_batch(run_id, metrics=_linked_metrics(run_id, metrics, logged.model_id))
+    linked = _linked_metrics(run_id, metrics, logged.model_id)
+    c.log_batch(run_id, metrics=linked)
+    # The run's output, so that its page lists the model ("Logged models"), at the step of the
+    # metrics it was registered with.
+    step = max((m.step for m in linked), default=0)
+    c.log_outputs(run_id, [LoggedModelOutput(logged.model_id, step)])
     if lineage.data:
         inputs = [
             DatasetInput(
@@ -343,11 +397,12 @@ def _linked_metrics(run_id: str, metrics: dict[str, float], model_id: str) -> li
 
 
 def run_link(experiment_id: str, run_id: str) -> str | None:
-    """The MLflow UI page of a run, when the tracking store is a server; None otherwise."""
+    """The MLflow UI page of a run, in the UI's model-training view, when the tracking store is
+    a server; None otherwise."""
     uri = get_settings().tracking_uri
     if not _is_server(uri):
         return None
-    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}"
+    return f"{uri.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
 
 
 def _describe(lineage: Lineage, metrics: dict[str, float], run_id: str) -> str:

@@ -154,6 +154,27 @@ def warmup(
     return dataclasses.replace(result, workers=policy)
 
 
+def warmup_plan(cfg: RLJobConfig) -> str:
+    """What the warm-up is about to do, in words (the start of its log phase)."""
+    if not cfg.warmup.enabled:
+        return "disabled (warmup.enabled is false)"
+    source = "warmup.data" if cfg.warmup.data else "the environment's demonstrations"
+    return (
+        f"SFT on {source} until held-out accuracy {cfg.warmup.target_accuracy:.2f}, at most "
+        f"{cfg.warmup.max_steps} steps (an earlier job's identical warm-up is reused)"
+    )
+
+
+def describe_warmup(result: WarmupResult) -> str:
+    """How a warm-up ended, in words (not the result's repr, which holds the workers' refs)."""
+    if result.skipped:
+        return f"skipped: {result.skipped}"
+    if result.accuracy is None:
+        return "not run: RL starts from the base model"
+    how = "reused an earlier job's warm-up" if result.cached else "done"
+    return f"{how}: held-out accuracy {result.accuracy:.3f} after {result.steps} SFT steps"
+
+
 def _sft_until(
     cfg: RLJobConfig, ctx: JobContext, task_cfg: TaskConfig, base_uri: str, policy: PolicyRef
 ) -> tuple[float, int]:

@@ -47,10 +47,18 @@ if "FLOWRL_MODEL_CACHE" not in os.environ:
     _OWN_MODEL_CACHE = tempfile.mkdtemp(prefix="flowrl-model-cache-")
     os.environ["FLOWRL_MODEL_CACHE"] = _OWN_MODEL_CACHE
 
+# `flowrl stack up` writes a pointer to its stack in the user's config folder: the suite's
+# stacks write theirs in a temp folder of the run, never in the developer's ~/.config.
+_OWN_CONFIG_DIR = None
+if "FLOWRL_CONFIG_DIR" not in os.environ:
+    _OWN_CONFIG_DIR = tempfile.mkdtemp(prefix="flowrl-config-")
+    os.environ["FLOWRL_CONFIG_DIR"] = _OWN_CONFIG_DIR
+
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    if _OWN_MODEL_CACHE is not None:
-        shutil.rmtree(_OWN_MODEL_CACHE, ignore_errors=True)
+    for own in (_OWN_MODEL_CACHE, _OWN_CONFIG_DIR):
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
 
 
 # ------------------------------------------------------------------ order under pytest-xdist

@@ -68,6 +68,16 @@ def _submit_cli(capsys, deployment: str, *args: str) -> str:
     return capsys.readouterr().out.strip().splitlines()[-1]
 
 
+def _submit_as_the_form(deployment: str, parameters: dict) -> str:
+    """A run created as the Prefect UI's Custom run form creates one: by deployment id, with
+    no name (the server gives it a random one) and no admission check."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as c:
+        deployment_id = c.read_deployment_by_name(deployment).id
+        return str(c.create_flow_run_from_deployment(deployment_id, parameters=parameters).id)
+
+
 def _logs(run_id: str) -> list[str]:
     """The flow run's log lines as Prefect has them."""
     from uuid import UUID
@@ -112,8 +122,8 @@ def test_every_deployment_runs_on_the_worker(deployed, stack_env, capsys, tmp_pa
     jobs = JobClient()
     storage = Storage(get_settings().storage_root)  # the stack's S3 bucket
 
-    # Round 1 (pool limit 2, so these queue up): RL full and LoRA through the CLI, SFT and
-    # self-play through the Prefect client (flowrl's JobClient over run_deployment).
+    # Round 1 (pool limit 2, so these queue up): RL full and LoRA through the CLI, SFT as the
+    # Prefect UI's form submits, self-play through flowrl's JobClient (over run_deployment).
     chat = tmp_path / "chat.jsonl"
     rows = [
         {
@@ -128,8 +138,8 @@ def test_every_deployment_runs_on_the_worker(deployed, stack_env, capsys, tmp_pa
     runs = {
         "rl-train": _submit_cli(capsys, "rl-train", *_overrides("name=dep-rl")),
         "rl-train-lora": _submit_cli(capsys, "rl-train-lora", *_overrides("name=dep-lora")),
-        "sft-train": jobs.submit(
-            "sft-train",
+        "sft-train": _submit_as_the_form(
+            deployed["sft-train"],
             {
                 "config": {
                     "name": "dep-sft",
@@ -175,6 +185,7 @@ def test_every_deployment_runs_on_the_worker(deployed, stack_env, capsys, tmp_pa
     assert adapter and all("lora_" in k for k in adapter), sorted(adapter)[:5]  # adapter only
     assert lora["model_uri"] == "models:/dep-lora/1"
     assert _result(storage, "dep-sft")["model_uri"] == "models:/dep-sft/1"
+    assert jobs.status(runs["sft-train"]).name == "dep-sft"  # the form's run: the job's name
     assert set(_result(storage, "dep-selfplay")["model_uris"]) == {"X", "O"}
 
     # Round 2: batch inference with the registered RL model; retraining from its champion.

@@ -112,7 +112,9 @@ def test_submission_to_start_latency_on_an_idle_pool(stack_env, probe_deployment
     assert latency <= 30.0  # plus starting the flow-run process on a loaded 2-core box
 
 
-def test_a_job_larger_than_the_pool_is_refused_by_the_cli(stack_env, monkeypatch, capsys):
+def test_a_job_larger_than_the_pool_is_refused_by_the_cli(
+    stack_env, probe_deployment, monkeypatch, capsys
+):
     from flowrl.cli import main
 
     monkeypatch.setenv("PREFECT_LOGGING_LEVEL", "WARNING")
@@ -184,6 +186,222 @@ def test_cancel_a_running_job(stack_env, probe_deployment):
         time.sleep(0.5)
     jobs.cancel(run_id)
     assert jobs.wait(run_id, timeout=90).state == "CANCELLED"
+    history = _history(run_id)
+    assert "CRASHED" not in history, history  # straight from CANCELLING to CANCELLED
+    assert "CANCELLING" in history, history
+
+
+def _http_json(url: str) -> dict:
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def test_the_prefect_ui_talks_to_the_stacks_own_api(stack_env):
+    """The UI a browser loads from the server's root asks ``/ui-settings`` where the API is:
+    the stack's own port, not Prefect's default 4200."""
+    ui = stack_env.ui["prefect"]
+    assert ui.endswith("/") and not ui.endswith("/api/")
+    settings = _http_json(f"{ui}ui-settings")
+    assert settings["api_url"] == stack_env.env["PREFECT_API_URL"]
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    with opener.open(ui, timeout=30) as r:
+        assert r.status == 200 and b"<html" in r.read().lower()
+    with opener.open(stack_env.ui["mlflow"], timeout=30) as r:
+        assert r.status == 200 and b"<html" in r.read().lower()
+
+
+def test_stack_status_prints_both_ui_links(local_stack, monkeypatch, capsys):
+    from flowrl.cli import main
+
+    monkeypatch.setenv("FLOWRL_HOME", local_stack.env["FLOWRL_HOME"])
+    assert main(["stack", "status"]) == 0
+    out = capsys.readouterr().out
+    prefect_ui = local_stack.env["PREFECT_API_URL"].removesuffix("api")
+    mlflow_ui = local_stack.env["FLOWRL_MLFLOW_TRACKING_URI"] + "/"
+    assert f"Prefect UI  {prefect_ui}\n" in out and f"MLflow UI   {mlflow_ui}\n" in out
+    for name, comp in local_stack.components.items():
+        assert f"{name}" in out and str(comp.pid) in out
+    assert main(["stack", "status", "--json"]) == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status["ui"] == {"prefect": prefect_ui, "mlflow": mlflow_ui}
+    assert all(c["alive"] for c in status["components"].values())
+
+
+def _client_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any pointer at a Prefect API or a flowrl home."""
+    drop = ("PREFECT_API_URL", "FLOWRL_PREFECT_API_URL", "FLOWRL_HOME", "MLFLOW_TRACKING_URI")
+    return {k: v for k, v in os.environ.items() if k not in drop} | extra
+
+
+def _flowrl(*args: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flowrl", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_flowrl_jobs_finds_the_stack_from_any_directory(stack_env, probe_deployment, tmp_path):
+    """``stack up`` leaves a pointer in the user's config folder; ``flowrl jobs`` run from
+    another directory, with no FLOWRL_HOME and no Prefect API set, follows it to the stack
+    and writes nothing there. A malformed or unknown run id, or an unknown deployment, is one
+    line and exit 1."""
+    config = tmp_path / "config"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    home = stack_env.env["FLOWRL_HOME"]
+    env = _client_env(FLOWRL_HOME=home, FLOWRL_CONFIG_DIR=str(config))
+    up = _flowrl("stack", "up", cwd=elsewhere, env=env)  # already running: only re-points
+    assert up.returncode == 0, up.stderr[-2000:]
+    pointer = json.loads((config / "stack.json").read_text())
+    assert pointer["state_file"] == str(Path(home) / "stack" / "state.json")
+
+    env = _client_env(FLOWRL_CONFIG_DIR=str(config))
+    run_id = JobClient().submit(probe_deployment, {"seconds": 0.1, "gpus": 1})
+    listed = _flowrl("jobs", "list", cwd=elsewhere, env=env)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    assert run_id in listed.stdout
+    waited = _flowrl("jobs", "wait", run_id, "--timeout", "180", cwd=elsewhere, env=env)
+    assert waited.returncode == 0 and f"{run_id}  COMPLETED" in waited.stdout, waited.stderr
+    unknown = "00000000-0000-4000-8000-000000000000"
+    for args, says in (
+        (("jobs", "status", unknown), f"no flow run {unknown} on the Prefect API"),
+        (("jobs", "wait", "not-an-id"), "'not-an-id' is not a flow-run id"),
+        (("jobs", "result", unknown), f"no flow run {unknown}"),
+        (("jobs", "submit", "no-such-job"), "0 deployments are named 'no-such-job' on the"),
+    ):
+        out = _flowrl(*args, cwd=elsewhere, env=env)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 1 and len(lines) == 1, out.stderr
+        assert lines[0].startswith(f"flowrl: {says}"), lines
+    assert list(elsewhere.iterdir()) == []  # no ./.flowrl, nothing else
+
+
+def _deploy_source(local_stack, folder: Path, source: str, name: str) -> str:
+    """Deploy ``source`` (written to ``folder``) as ``name``, its flow function being ``name``
+    with underscores, on the test pool's queue hi; returns ``flow/deployment``."""
+    from prefect.flows import Flow
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flowrl.infra.scheduler import load_scheduler
+
+    module = name.replace("-", "_")
+    (folder / f"{module}.py").write_text(source)
+    os.environ["FLOWRL_SCHEDULER_FILE"] = local_stack.env["FLOWRL_SCHEDULER_FILE"]
+    try:
+        pool = load_scheduler().pool.name
+    finally:
+        os.environ.pop("FLOWRL_SCHEDULER_FILE")
+    with temporary_settings(updates={PREFECT_API_URL: local_stack.env["PREFECT_API_URL"]}):
+        Flow.from_source(str(folder), f"{module}.py:{module}").deploy(
+            name,
+            work_pool_name=pool,
+            work_queue_name="hi",
+            build=False,
+            push=False,
+            print_next_steps=False,
+            ignore_warnings=True,
+        )
+    return f"{name}/{name}"
+
+
+STAGED_FLOW = """
+from prefect import flow, get_run_logger, task
+
+
+@task
+def stage(k: int) -> int:
+    if k == 2:
+        get_run_logger().warning("stage 2 warns")
+    return k
+
+
+@flow(name="staged")
+def staged(stages: int = 4) -> int:
+    get_run_logger().info("flow line before the stages")
+    total = sum(stage(k) for k in range(stages))
+    get_run_logger().info("flow line after the stages")
+    return total
+"""
+
+
+def test_runs_on_the_worker_send_no_task_run_info_lines(stack_env, tmp_path):
+    """A flow run on the stack's worker: its own INFO lines and a task's warning reach the
+    Prefect API, the task runs' "Finished in state Completed()" lines do not."""
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
+
+    jobs = JobClient()
+    run_id = jobs.submit(_deploy_source(stack_env, tmp_path, STAGED_FLOW, "staged"), {"stages": 4})
+    assert jobs.wait(run_id, timeout=180).state == "COMPLETED"
+    run = FlowRunFilter(id=FlowRunFilterId(any_=[UUID(run_id)]))
+    of_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(run_id)]))
+    deadline = time.monotonic() + 60
+    with get_client(sync_client=True) as c:
+        task_runs = c.read_task_runs(flow_run_filter=run)
+        # The flow-run process sends its lines in batches: the last one comes after the state.
+        while True:
+            logs = c.read_logs(log_filter=of_run, limit=200)
+            if any(g.message.startswith("Finished in state") and not g.task_run_id for g in logs):
+                break
+            assert time.monotonic() < deadline, [log.message for log in logs]
+            time.sleep(0.5)
+    assert len(task_runs) == 4  # the stages did run as task runs
+    flow_lines = [log.message for log in logs if log.task_run_id is None]
+    task_lines = [(log.level, log.message) for log in logs if log.task_run_id is not None]
+    assert "flow line before the stages" in flow_lines, flow_lines
+    assert "flow line after the stages" in flow_lines, flow_lines
+    assert task_lines == [(30, "stage 2 warns")], task_lines
+
+
+RAY_SLEEPER_FLOW = """
+import time
+
+from prefect import flow, get_run_logger
+
+from flowrl.flows.lifecycle import task_runner
+
+
+@flow(name="ray-sleeper", task_runner=task_runner())
+def ray_sleeper(seconds: float = 120.0) -> None:
+    get_run_logger().info("on Ray, sleeping")
+    time.sleep(seconds)
+"""
+
+
+def test_cancel_a_running_job_on_ray(stack_env, tmp_path):
+    """A flow on flowrl's stage runner (a Ray driver, as every training flow is), cancelled
+    while it runs: CANCELLING, then CANCELLED, never CRASHED. ``ray.init`` replaces the SIGTERM
+    handler; the runner puts Prefect's back, so the worker's SIGTERM is taken as the cancel it
+    announced, not as a crash ("Execution was aborted by Python system exit call")."""
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    jobs = JobClient()
+    run_id = jobs.submit(_deploy_source(stack_env, tmp_path, RAY_SLEEPER_FLOW, "ray-sleeper"))
+    of_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(run_id)]))
+    deadline = time.monotonic() + 180
+    with get_client(sync_client=True) as c:
+        while not any(g.message == "on Ray, sleeping" for g in c.read_logs(log_filter=of_run)):
+            assert time.monotonic() < deadline, jobs.status(run_id)
+            time.sleep(0.5)
+    jobs.cancel(run_id)
+    assert jobs.wait(run_id, timeout=90).state == "CANCELLED"
+    history = _history(run_id)
+    assert "CRASHED" not in history and "CANCELLING" in history, history
 
 
 def _gpu_slots_in_use() -> int:
@@ -230,3 +448,4 @@ def test_stack_down_stops_every_process(local_stack, monkeypatch):
     for comp in local_stack.components.values():
         assert not stack._alive(comp.pid)
     assert not stack.state_file().exists()
+    assert stack.read_pointer() != stack.state_file()  # no pointer left to the stopped stack
