@@ -8,7 +8,12 @@ STAMP   = $(VENV)/.flowrl-installed
 
 .PHONY: setup demo test lint bench bench-trl clean
 
+# The venv (below), then the UI tests' browser (tests/test_ui.py): Debian's chromium, driven by
+# Playwright (whose own browser download is not reachable everywhere). Without apt (or root),
+# set-up goes on and those tests skip, saying what to install.
 setup: $(STAMP)
+	@command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
+		|| echo "make setup: no chromium installed (apt-get install chromium): tests/test_ui.py will skip"
 
 # torch first, pinned to the local CPU wheel: any other torch spec pulls GBs of CUDA packages.
 $(STAMP): pyproject.toml constraints.txt

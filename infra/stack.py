@@ -38,6 +38,7 @@ BUCKET = "flowrl"
 BIN = Path(sys.executable).parent
 REPOSSESSOR_LOOP_SECONDS = 5
 WORKER_QUERY_SECONDS = 1  # Prefect's default of 10 s would dominate submission -> start
+MLFLOW_UI_PAGE = "#/experiments?workflowType=machine_learning"
 STOP_ORDER = ("worker", "ray", "prefect", "mlflow", "moto")
 POINTER_NAME = "stack.json"
 # Flow runs started by the stack's worker send no task-run INFO lines to the API (one "Finished
@@ -73,7 +74,9 @@ class StackState:
         if "prefect" in self.components:
             links["prefect"] = self.components["prefect"].url.removesuffix("api")
         if "mlflow" in self.components:
-            links["mlflow"] = self.components["mlflow"].url.rstrip("/") + "/"
+            # The experiments list in the "Model training" view (MLflow 3.17's UI opens in its
+            # GenAI view unless the link asks; it keeps the choice as one moves on).
+            links["mlflow"] = self.components["mlflow"].url.rstrip("/") + "/" + MLFLOW_UI_PAGE
         return links
 
     def running(self) -> bool:
@@ -203,8 +206,9 @@ def _alive(pid: int) -> bool:
 
 
 def stop_component(name: str, comp: Component, timeout: float = 20.0) -> None:
-    """SIGINT (worker) or SIGTERM to the component's process group; SIGKILL if it lingers."""
-    sig = signal.SIGINT if name == "worker" else signal.SIGTERM
+    """SIGINT (the worker; the Ray head, which `ray start --block` ignores SIGTERM for) or
+    SIGTERM to the component's process group; SIGKILL if it lingers."""
+    sig = signal.SIGINT if name in ("worker", "ray") else signal.SIGTERM
     for s in (sig, signal.SIGKILL):
         try:
             os.killpg(comp.pid, s)

@@ -69,6 +69,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 SLOW_MODULES = (
     "test_deployments.py",  # ~370 s: every deployment through the worker, its own stack
     "test_plugins.py",  # ~400 s: six `flowrl train` runs of a user's environment, the README
+    "test_ui.py",  # ~250 s: the README's stack commands (a 150-step job), then both UIs in Chromium
     "test_stack.py",  # ~215 s: the whole local stack, lease expiry, load test
     "test_model_families.py",  # ~230 s: six RL jobs of three model families, local and S3
     "test_flow_e2e.py",  # ~180 s: an 80-step RL job

@@ -213,12 +213,13 @@ def test_the_prefect_ui_talks_to_the_stacks_own_api(stack_env):
 
 def test_stack_status_prints_both_ui_links(local_stack, monkeypatch, capsys):
     from flowrl.cli import main
+    from flowrl.infra import stack
 
     monkeypatch.setenv("FLOWRL_HOME", local_stack.env["FLOWRL_HOME"])
     assert main(["stack", "status"]) == 0
     out = capsys.readouterr().out
     prefect_ui = local_stack.env["PREFECT_API_URL"].removesuffix("api")
-    mlflow_ui = local_stack.env["FLOWRL_MLFLOW_TRACKING_URI"] + "/"
+    mlflow_ui = local_stack.env["FLOWRL_MLFLOW_TRACKING_URI"] + "/" + stack.MLFLOW_UI_PAGE
     assert f"Prefect UI  {prefect_ui}\n" in out and f"MLflow UI   {mlflow_ui}\n" in out
     for name, comp in local_stack.components.items():
         assert f"{name}" in out and str(comp.pid) in out
