@@ -68,7 +68,7 @@ Assistant tool calls (OpenAI shape ``{"type": "function", "function": {...}}``) 
 the content as ``<tool_call>{json of the function}</tool_call>``."""
 
 
-class TinyVisionSpec(BaseModel):
+class TinyVisionSpec(BaseModel, title="Tiny vision tower"):
     """Shape of the vision tower that makes a tiny model a LLaVA vision-language model."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -104,7 +104,7 @@ class TinyVisionSpec(BaseModel):
         return self
 
 
-class TinyModelSpec(BaseModel):
+class TinyModelSpec(BaseModel, title="Tiny model"):
     """Shape of a tiny random-weight causal LM built offline for tests and CPU experiments."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -37,7 +37,7 @@ class Datum:
     images: list[bytes] = field(default_factory=list)
 
 
-class LoraSettings(BaseModel):
+class LoraSettings(BaseModel, title="LoRA"):
     """LoRA adapter settings (peft). Disabled means full-parameter training."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

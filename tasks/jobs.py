@@ -73,10 +73,13 @@ RowFile = Annotated[str, AfterValidator(_row_file)]
 
 
 class _Section(BaseModel):
+    """A config section. Its ``title`` (a class keyword) heads it in the Prefect UI's run form,
+    which otherwise shows the class name."""
+
     model_config = ConfigDict(frozen=True, extra="forbid")
 
 
-class EnvDataSection(_Section):
+class EnvDataSection(_Section, title="Environment data"):
     """Rows of an environment given as a class (each row's fields go to ``reset(**row)``)."""
 
     train: RowFile | None = Field(
@@ -88,7 +91,7 @@ class EnvDataSection(_Section):
 SUCCESS_RULE = r"^(auto|info\.[A-Za-z_][\w.-]*|reward\s*(>=|>)\s*-?\d+(\.\d+)?)$"
 
 
-class EnvSection(_Section):
+class EnvSection(_Section, title="Environment"):
     name: str = Field(
         default="arithmetic",
         description="An installed environment's name (entry point group flowrl.environments: "
@@ -166,7 +169,7 @@ class EnvSection(_Section):
         )
 
 
-class ModelSection(_Section):
+class ModelSection(_Section, title="Model"):
     source: NoCredentials = Field(
         default="tiny",
         description="'tiny' (build a tiny Llama offline from `tiny`; a tiny LLaVA with "
@@ -191,7 +194,7 @@ class ModelSection(_Section):
     lora: LoraSettings = Field(default_factory=LoraSettings, description="LoRA or full RL.")
 
 
-class WarmupSection(_Section):
+class WarmupSection(_Section, title="Warm-up"):
     enabled: bool = Field(default=True, description="Run SFT warm-up before RL (cached).")
     target_accuracy: float = Field(
         default=0.3, gt=0, le=1, description="Stop warm-up once held-out accuracy reaches this."
@@ -207,7 +210,7 @@ class WarmupSection(_Section):
     )
 
 
-class AlgorithmSection(_Section):
+class AlgorithmSection(_Section, title="Algorithm"):
     """The RL math, all chosen by name (``backends/algorithms.py``): switching algorithm is a
     config change only. Dr. GRPO = ``advantage: dr_grpo`` + ``loss_agg: seq-mean-token-sum``;
     DAPO's clip-higher = ``clip_eps: 0.2`` + ``clip_eps_high: 0.28``; GSPO's paper uses
@@ -281,7 +284,7 @@ def _known(name: str, registry: tuple[str, ...], kind: str) -> str:
     return name
 
 
-class RolloutSection(_Section):
+class RolloutSection(_Section, title="Rollout"):
     prompts_per_step: int = Field(
         default=64, ge=1, le=100_000, description="Data rows per RL step."
     )
@@ -309,7 +312,7 @@ class RolloutSection(_Section):
         )
 
 
-class ScheduleSection(_Section):
+class ScheduleSection(_Section, title="Schedule"):
     steps: int = Field(default=150, ge=1, description="RL steps.")
     eval_every: int = Field(default=25, ge=1, description="Steps between held-out evaluations.")
     checkpoint_every: int = Field(default=50, ge=1, description="Steps between checkpoints.")
@@ -325,7 +328,7 @@ class ScheduleSection(_Section):
     )
 
 
-class ResourcesSection(_Section):
+class ResourcesSection(_Section, title="Resources"):
     sampler_backend: Literal["hf", "vllm"] = Field(
         default="hf", description="Sampler backend: hf (generate), vllm (GPU)."
     )
@@ -402,7 +405,7 @@ class ResourcesSection(_Section):
         )
 
 
-class SFTDataSection(_Section):
+class SFTDataSection(_Section, title="SFT data"):
     train: RowFile = Field(
         description="Chat rows {'messages': [...]}: a .jsonl/.json/.parquet path or fsspec URL "
         "(s3://…)."
@@ -417,7 +420,7 @@ class SFTDataSection(_Section):
     )
 
 
-class SFTTrainSection(_Section):
+class SFTTrainSection(_Section, title="SFT training"):
     steps: int = Field(default=300, ge=1, description="Optimiser steps.")
     batch_size: int = Field(default=32, ge=1, description="Conversations per step.")
     learning_rate: float = Field(

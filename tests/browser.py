@@ -95,7 +95,7 @@ def assert_connected(page: Page) -> None:
 
 def schema_field(page: Page, section: str, name: str) -> Locator:
     """The input of field ``name`` inside section ``section`` of a Prefect parameter form (as
-    labelled there: ``"ScheduleSection"``, ``"Steps"``; both carry an " (Optional)" suffix)."""
+    labelled there: ``"Schedule"``, ``"Steps"``; both carry an " (Optional)" suffix)."""
     field = f"normalize-space()='{name} (Optional)'"
     label = page.locator(
         f"xpath=//label[normalize-space()='{section} (Optional)']"

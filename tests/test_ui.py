@@ -287,9 +287,9 @@ def ui_run(browser, ui_stack) -> UIRun:
         steps = page.get_by_label("Steps (Optional)", exact=True)
         wait_for(page, steps)
         page.get_by_label("Name (Optional)", exact=True).first.fill(JOB)
-        schema_field(page, "RolloutSection", "Prompts Per Step").fill("16")
+        schema_field(page, "Rollout", "Prompts Per Step").fill("16")
         steps.fill(str(STEPS))
-        screenshot(page, "prefect-custom-run", page.get_by_text("ScheduleSection (Optional)"))
+        screenshot(page, "prefect-custom-run", page.get_by_text("Schedule (Optional)", exact=True))
         page.get_by_role("button", name="Submit", exact=True).click()
         submitted = time.monotonic()
         # The UI goes to the deployment's runs, the new one listed.
