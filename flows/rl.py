@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from prefect import flow, get_run_logger
+from prefect import flow
 from prefect.utilities.annotations import quote
 
 from flowrl.flows.lifecycle import JobRun, StepClock, due, task_runner
@@ -57,7 +57,6 @@ loss and the step's wall seconds."""
     flow_run_name=job_run_name(RLJobConfig),
 )
 def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
-    logger = get_run_logger()
     # GPU slots are held from before any worker starts until every worker has stopped.
     with JobRun(config, resume=True, columns=COLUMNS) as job:
         # Every stage is submitted to the task runner: each runs as a Ray task on the cluster.
@@ -128,7 +127,6 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
             resumed_from=start if resumed else None,
         )
         job.finish(result)
-    logger.info("accuracy %.3f -> %.3f; registered %s", acc_start, final.accuracy, registered)
     return result
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefect import flow, get_run_logger
+from prefect import flow
 
 from flowrl.backends.actors import PolicyRef
 from flowrl.flows.lifecycle import JobRun, StepClock, due, task_runner
@@ -72,7 +72,6 @@ def columns(owners: tuple[str, ...]) -> tuple[Column, ...]:
     flow_run_name=job_run_name(SelfPlayJobConfig),
 )
 def self_play(config: SelfPlayJobConfig = SelfPlayJobConfig()) -> SelfPlayResult:  # noqa: B008
-    logger = get_run_logger()
     owners = trained_policies(config)
     with JobRun(config, resume=True, columns=columns(owners)) as job:
         base_uri = prepare_model.submit(config, job.ctx).result()
@@ -129,7 +128,6 @@ def self_play(config: SelfPlayJobConfig = SelfPlayJobConfig()) -> SelfPlayResult
         resumed = start or None
         result = SelfPlayResult(config.name, uris, scores, job.run_id, job.done_steps, resumed)
         job.finish(result)
-    logger.info("score vs heuristic %s; registered %s", scores, uris)
     return result
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prefect import flow, get_run_logger
+from prefect import flow
 
 from flowrl.flows.lifecycle import JobRun, task_runner
 from flowrl.flows.run_page import Column, job_run_name
@@ -47,7 +47,6 @@ step's seconds (its chunk's training time over its steps)."""
     flow_run_name=job_run_name(SFTJobConfig),
 )
 def sft_train(config: SFTJobConfig) -> SFTResult:
-    logger = get_run_logger()
     with JobRun(config, columns=COLUMNS) as job:
         base_uri = prepare_model.submit(config, job.ctx).result()
         data = prepare_data.submit(config, job.ctx).result()
@@ -81,10 +80,4 @@ def sft_train(config: SFTJobConfig) -> SFTResult:
             config.name, registered, first.exact_match, last.exact_match, job.run_id, total
         )
         job.finish(result, plot="sft_curve.png")
-    logger.info(
-        "exact match %.3f -> %.3f; registered %s",
-        result.exact_match_start,
-        result.exact_match_end,
-        registered,
-    )
     return result

@@ -57,6 +57,20 @@ def why_no_browser() -> str | None:
     return None
 
 
+def require_browser() -> None:
+    """Skip the calling test, printing what to install, where no browser can be installed; in
+    CI (``CI`` set), where ``make setup`` installs one, a missing browser fails instead."""
+    import pytest
+
+    reason = why_no_browser()
+    if reason is None:
+        return
+    if os.environ.get("CI"):
+        pytest.fail(f"the browser tests cannot run in CI: {reason}")
+    print(f"\nskipping the browser tests: {reason}")
+    pytest.skip(reason)
+
+
 def launch(playwright: Playwright) -> Browser:
     """Headless Chromium from the system's package."""
     return playwright.chromium.launch(

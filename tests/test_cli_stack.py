@@ -38,6 +38,18 @@ def bare_user(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     return tmp_path, env | {"HOME": str(home)}
 
 
+def _flowrl(root: Path, env: dict[str, str], *args: str) -> subprocess.CompletedProcess:
+    """``flowrl ARGS`` as the bare user runs it, in their empty working folder."""
+    return subprocess.run(
+        [sys.executable, "-m", "flowrl", *args],
+        cwd=root / "cwd",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 @pytest.mark.parametrize(
     "args",
     [
@@ -49,14 +61,7 @@ def bare_user(tmp_path: Path) -> tuple[Path, dict[str, str]]:
 )
 def test_without_a_stack_one_line_exit_1_and_nothing_written(bare_user, args):
     root, env = bare_user
-    out = subprocess.run(
-        [sys.executable, "-m", "flowrl", *args],
-        cwd=root / "cwd",
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _flowrl(root, env, *args)
     assert out.returncode == 1
     assert out.stderr.splitlines() == [NO_STACK] and out.stdout == ""
     assert _files(root / "cwd") == [] and _files(root / "home") == []  # no ./.flowrl, no ~/.prefect
@@ -64,14 +69,7 @@ def test_without_a_stack_one_line_exit_1_and_nothing_written(bare_user, args):
 
 def test_a_malformed_run_id_is_one_line_before_anything_connects(bare_user):
     root, env = bare_user
-    out = subprocess.run(
-        [sys.executable, "-m", "flowrl", "jobs", "cancel", "42"],
-        cwd=root / "cwd",
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = _flowrl(root, env, "jobs", "cancel", "42")
     assert out.returncode == 1
     assert out.stderr.splitlines() == [
         "flowrl: '42' is not a flow-run id (a UUID, as `flowrl jobs submit` and "

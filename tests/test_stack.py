@@ -27,6 +27,13 @@ PROBE = "gpu-probe/gpu-probe"
 @pytest.fixture(scope="module")
 def probe_deployment(local_stack):
     """The gpu-probe flow deployed from this checkout on the test pool (default queue hi)."""
+    _deploy(local_stack, str(REPO), "flowrl.flows.probe.gpu_probe", "gpu-probe")
+    return PROBE
+
+
+def _deploy(local_stack, source: str, entrypoint: str, name: str) -> None:
+    """Deploy the flow at ``entrypoint`` of ``source`` (a folder) as ``name`` on the test
+    pool's queue hi."""
     from prefect.flows import Flow
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -38,8 +45,8 @@ def probe_deployment(local_stack):
     finally:
         os.environ.pop("FLOWRL_SCHEDULER_FILE")
     with temporary_settings(updates={PREFECT_API_URL: local_stack.env["PREFECT_API_URL"]}):
-        Flow.from_source(str(REPO), "flowrl.flows.probe.gpu_probe").deploy(
-            "gpu-probe",
+        Flow.from_source(source, entrypoint).deploy(
+            name,
             work_pool_name=pool,
             work_queue_name="hi",
             build=False,
@@ -47,7 +54,6 @@ def probe_deployment(local_stack):
             print_next_steps=False,
             ignore_warnings=True,
         )
-    return PROBE
 
 
 def _history(run_id: str) -> dict[str, list[float]]:
@@ -285,28 +291,9 @@ def test_flowrl_jobs_finds_the_stack_from_any_directory(stack_env, probe_deploym
 def _deploy_source(local_stack, folder: Path, source: str, name: str) -> str:
     """Deploy ``source`` (written to ``folder``) as ``name``, its flow function being ``name``
     with underscores, on the test pool's queue hi; returns ``flow/deployment``."""
-    from prefect.flows import Flow
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    from flowrl.infra.scheduler import load_scheduler
-
     module = name.replace("-", "_")
     (folder / f"{module}.py").write_text(source)
-    os.environ["FLOWRL_SCHEDULER_FILE"] = local_stack.env["FLOWRL_SCHEDULER_FILE"]
-    try:
-        pool = load_scheduler().pool.name
-    finally:
-        os.environ.pop("FLOWRL_SCHEDULER_FILE")
-    with temporary_settings(updates={PREFECT_API_URL: local_stack.env["PREFECT_API_URL"]}):
-        Flow.from_source(str(folder), f"{module}.py:{module}").deploy(
-            name,
-            work_pool_name=pool,
-            work_queue_name="hi",
-            build=False,
-            push=False,
-            print_next_steps=False,
-            ignore_warnings=True,
-        )
+    _deploy(local_stack, str(folder), f"{module}.py:{module}", name)
     return f"{name}/{name}"
 
 
