@@ -5,6 +5,8 @@
     flowrl infra up [--no-deployments]          # pool, queues, gpu limit, deployments
     flowrl stack up|down|status|env [--gpus N]  # local Prefect/worker/Ray/MLflow/S3
     flowrl jobs submit|status|list|cancel|wait|metrics|result ...
+    flowrl serve tinker [--keys-file F | --insecure-loopback] [--placement local|sessions]
+    flowrl tinker models | tokenizer NAME --out DIR
 
 ``train`` validates the config before anything starts (a bad field fails at once, naming the
 field), then runs the ``rl-train`` flow in this process and prints the result.
@@ -51,7 +53,52 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="Print the validated RL config (defaults filled in).")
     _add_config_arguments(show, verbose=False)
     _add_infra_commands(sub)
+    _add_tinker_commands(sub)
     return parser
+
+
+def _add_tinker_commands(sub) -> None:
+    serve = sub.add_parser("serve", help="Serve an API (tinker: the Tinker API).")
+    what = serve.add_subparsers(dest="service", required=True)
+    api = what.add_parser(
+        "tinker",
+        help="The Tinker API for the official tinker SDK (base_url=http://HOST:PORT).",
+        description="The Tinker API (docs/tinker.md). Keys (namespace:tml-key) from "
+        "--keys-file or FLOWRL_TINKER_KEYS; base models from FLOWRL_TINKER_MODELS.",
+    )
+    api.add_argument("--host", default="127.0.0.1")
+    api.add_argument("--port", type=int, default=8790)
+    api.add_argument("--keys-file", help="Lines namespace:tml-key (or FLOWRL_TINKER_KEYS).")
+    api.add_argument(
+        "--insecure-loopback",
+        action="store_true",
+        help="Serve without keys (every caller one owner); loopback addresses only.",
+    )
+    api.add_argument(
+        "--placement",
+        choices=["local", "sessions"],
+        default="local",
+        help="local: models in this process; sessions: each training model a Prefect flow run "
+        "of the tinker-session deployment, its weights in a Ray actor (needs the stack's "
+        "Prefect and Ray; `flowrl stack up` starts the service so).",
+    )
+    api.add_argument(
+        "--session-ttl",
+        type=float,
+        default=120.0,
+        help="Seconds without a heartbeat (the SDK sends one every 10 s) before a session ends: "
+        "its models are unloaded, their slots freed, its saved states kept.",
+    )
+    api.add_argument("--max-body-bytes", type=int, default=64 * 2**20, help="Largest request.")
+    tinker = sub.add_parser("tinker", help="Base models of the Tinker API, for thin clients.")
+    tsub = tinker.add_subparsers(dest="action", required=True)
+    tsub.add_parser("models", help="List the catalogue: name and URI.")
+    tok = tsub.add_parser(
+        "tokenizer",
+        help="Write a catalogue model's tokenizer folder (for a client's AutoTokenizer).",
+    )
+    tok.add_argument("name", help="Base model name, e.g. flowrl/tiny.")
+    tok.add_argument("--out", required=True, help="Folder to write the tokenizer files to.")
 
 
 def _add_infra_commands(sub) -> None:
@@ -143,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command in ("infra", "stack", "jobs"):
         return _ops(args)
+    if args.command in ("serve", "tinker"):
+        return _tinker(args)
     from flowrl.infra.configfile import ConfigError
     from flowrl.tasks.jobs import RLJobConfig, SelfPlayJobConfig, SFTJobConfig, load_job
 
@@ -180,6 +229,49 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{sft_train(config)}")
         return 0
     return _train(config)
+
+
+def _tinker(args) -> int:
+    from flowrl.backends.tinker_service import check_keys, resolve_base_model, serve
+    from flowrl.infra.settings import get_settings
+
+    settings = get_settings()
+    if args.command == "serve":
+        try:
+            check_keys(args)  # before anything starts
+        except SystemExit as err:
+            print(f"flowrl: {err}", file=sys.stderr)
+            return 2
+        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+        settings.apply_to_environment()
+        if args.placement == "sessions":
+            from flowrl.flows.tinker_session import SessionPlacement
+
+            placement = SessionPlacement()
+        else:
+            from flowrl.backends.tinker_service import LocalPlacement
+
+            placement = LocalPlacement()
+        print(f"Tinker API on http://{args.host}:{args.port} ({args.placement})", flush=True)
+        serve(args, placement)
+        return 0
+    catalogue = settings.tinker_models
+    if args.action == "models":
+        for name, uri in sorted(catalogue.items()):
+            print(f"{name:<32} {uri}")
+        return 0
+    if args.name not in catalogue:
+        print(
+            f"flowrl: unknown base model {args.name!r} (have: {sorted(catalogue)})", file=sys.stderr
+        )
+        return 2
+    from flowrl.backends.models import load_tokenizer
+
+    load_tokenizer(
+        resolve_base_model(catalogue[args.name], settings.model_cache_dir)
+    ).save_pretrained(args.out)
+    print(args.out)
+    return 0
 
 
 def _prepare(verbose: bool) -> None:

@@ -91,6 +91,12 @@ class Settings(BaseSettings):
         description="GPUs in the work pool (slots of the `gpu` limit); unset = the declaration's.",
     )
 
+    tinker_models: dict[str, str] = Field(
+        default={"flowrl/tiny": "tiny"},
+        description="The Tinker API's base models: name -> a local HF folder, s3://… folder, "
+        "models:/name@alias, or 'tiny' (the default tiny model, built offline). JSON in "
+        "FLOWRL_TINKER_MODELS.",
+    )
     config_dir: Path | None = Field(
         default=None,
         description="The user's flowrl folder: holds the pointer to the running local stack "

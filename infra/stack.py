@@ -39,7 +39,7 @@ BIN = Path(sys.executable).parent
 REPOSSESSOR_LOOP_SECONDS = 5
 WORKER_QUERY_SECONDS = 1  # Prefect's default of 10 s would dominate submission -> start
 MLFLOW_UI_PAGE = "#/experiments?workflowType=machine_learning"
-STOP_ORDER = ("worker", "ray", "prefect", "mlflow", "moto")
+STOP_ORDER = ("tinker", "worker", "ray", "prefect", "mlflow", "moto")
 POINTER_NAME = "stack.json"
 # Flow runs started by the stack's worker send no task-run INFO lines to the API (one "Finished
 # in state Completed()" per stage and step drowned the flow's own lines); task-run warnings and
@@ -362,6 +362,26 @@ def _start_all(state: StackState, gpus: int, deploy: bool, ray: bool, say: _Prog
     if not _alive(pid):
         raise RuntimeError(f"the Prefect worker exited at once; see {stack_dir() / 'worker.log'}")
     say(f"worker on pool {pool}")
+    if ray:
+        _start_tinker(state, say)
+
+
+def _start_tinker(state: StackState, say: _Progress) -> None:
+    """The Tinker API (``flowrl serve tinker --placement sessions``): each training model a run
+    of the ``tinker-session`` deployment. With ``FLOWRL_TINKER_KEYS`` set, those keys; else
+    without keys, on loopback (any ``tml-`` key is accepted, every caller one namespace)."""
+    port = free_port()
+    url = f"http://{HOST}:{port}"
+    cmd = [str(BIN / "flowrl"), "serve", "tinker", "--placement", "sessions"]
+    cmd += ["--host", HOST, "--port", str(port)]
+    if not os.environ.get("FLOWRL_TINKER_KEYS"):
+        cmd.append("--insecure-loopback")
+    state.env["TINKER_BASE_URL"] = url
+    pid = _spawn("tinker", cmd, state.env, state, url)
+    wait_for_http(f"{url}/api/v1/healthz", 120)
+    if not _alive(pid):
+        raise RuntimeError(f"the Tinker API exited at once; see {stack_dir() / 'tinker.log'}")
+    say(f"Tinker API on {url}")
 
 
 def _child_env(state: StackState) -> dict[str, str]:

@@ -36,8 +36,9 @@ def test_every_flow_has_a_deployment_on_a_declared_queue():
     deployments = load_deployments()
     check_deployments(deployments, spec)  # pool and queue names exist in the declaration
     assert _flow_entrypoints() <= {d["entrypoint"] for d in deployments}
-    assert {q.name for q in spec.queues} == {"rl-full", "rl-lora", "sft", "eval", "inference"}
-    assert sorted(q.priority for q in spec.queues) == [1, 2, 3, 4, 5]
+    names = {q.name for q in spec.queues}
+    assert names == {"rl-full", "rl-lora", "tinker", "sft", "eval", "inference"}
+    assert sorted(q.priority for q in spec.queues) == [1, 2, 3, 4, 5, 6]
     retrain = next(d for d in deployments if d["name"] == "retrain")
     assert retrain["schedules"][0]["cron"]
 

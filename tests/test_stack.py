@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,8 @@ def test_stack_components_answer(stack_env):
     assert out.returncode == 0, out.stderr[-2000:]
     resources = json.loads(out.stdout.strip().splitlines()[-1])
     assert resources["GPU"] == 2  # the Ray head has the pool's GPUs (logical on CPU)
+    with opener.open(f"{env['TINKER_BASE_URL']}/api/v1/healthz", timeout=10) as r:
+        assert json.load(r) == {"status": "ok"}  # the Tinker API, for `flowrl stack env` users
 
 
 def test_submission_to_start_latency_on_an_idle_pool(stack_env, probe_deployment):
@@ -441,3 +444,94 @@ def test_stack_down_stops_every_process(local_stack, monkeypatch):
         assert not stack._alive(comp.pid)
     assert not stack.state_file().exists()
     assert stack.read_pointer() != stack.state_file()  # no pointer left to the stopped stack
+
+
+# ------------------------------------------------------------------ Tinker API sessions
+
+
+@pytest.fixture
+def tinker_sessions(stack_env, tmp_path) -> Iterator[str]:
+    """``flowrl serve tinker --placement sessions`` on the stack, with a 20 s heartbeat TTL
+    (the SDK beats every 10 s), its ``tinker-session`` runs on the test pool's queue hi;
+    yields its URL."""
+    import socket
+
+    _deploy(stack_env, str(REPO), "flowrl.flows.tinker_session.tinker_session", "tinker-session")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "flowrl", "serve", "tinker", "--placement", "sessions"]
+    cmd += ["--port", str(port), "--insecure-loopback", "--session-ttl", "20"]
+    log = open(tmp_path / "tinker.log", "wb")
+    proc = subprocess.Popen(cmd, env={**os.environ, **stack_env.env}, stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        from flowrl.infra.servers import wait_for_http
+
+        wait_for_http(f"{url}/api/v1/healthz", 120, proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def _tinker_runs(state: str | None = None) -> list:
+    from prefect import get_client
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with get_client(sync_client=True) as c:
+        runs = c.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=["tinker-session"]))
+        )
+    return [r for r in runs if state is None or r.state_type.value == state]
+
+
+def test_tinker_sessions_are_flow_runs_holding_gpu_slots(tinker_sessions, stack_env):
+    """A training client of the Tinker SDK is a ``tinker-session`` flow run that holds a
+    ``gpu`` slot while it lives, logs its losses to MLflow, and ends COMPLETED, its slot given
+    back, when the client closes its session, or when a client stops heartbeating (TTL)."""
+    import httpx
+    import tinker
+    from tinker import types
+
+    before = {r.id for r in _tinker_runs()}
+    client = tinker.ServiceClient(base_url=tinker_sessions, api_key="tml-" + "t" * 24)
+    tc = client.create_lora_training_client("flowrl/tiny", rank=4, seed=0).result()
+    assert _gpu_slots_in_use() == 1
+    (run,) = [r for r in _tinker_runs("RUNNING") if r.id not in before]
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4},
+        )
+    ]
+    losses = []
+    for _ in range(4):
+        fb = tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        losses.append(fb.result().metrics["loss:sum"])
+    assert losses[-1] < losses[0]
+    client.close("success").result()
+    jobs = JobClient()
+    assert jobs.wait(str(run.id), timeout=120).state == "COMPLETED"
+    assert _gpu_slots_in_use() == 0
+    metrics = jobs.metrics(str(run.id))  # the session's MLflow run
+    assert metrics["optim/lr"] == pytest.approx(1e-2) and "train/loss_sum" in metrics
+
+    # A client that never heartbeats: its model is unloaded after the TTL, its slot freed.
+    key = {"X-API-Key": "tml-" + "t" * 24}
+
+    def post(path: str, body: dict) -> httpx.Response:
+        return httpx.post(f"{tinker_sessions}/api/v1/{path}", json=body, headers=key, timeout=60)
+
+    session = post("create_session", {"tags": [], "user_metadata": {}, "sdk_version": "x"}).json()
+    request = {"session_id": session["session_id"], "model_seq_id": 0, "base_model": "flowrl/tiny"}
+    future = post("create_model", {**request, "lora_config": {"rank": 4}}).json()
+    deadline = time.monotonic() + 120
+    while post("retrieve_future", {"request_id": future["request_id"]}).status_code != 200:
+        assert time.monotonic() < deadline
+    (silent,) = [r for r in _tinker_runs() if r.id not in before | {run.id}]
+    assert jobs.wait(str(silent.id), timeout=120).state == "COMPLETED"
+    assert _gpu_slots_in_use() == 0
+    gone = post("get_info", {"model_id": future["model_id"]})
+    assert gone.status_code == 410 and "no heartbeat" in gone.json()["detail"]

@@ -1,0 +1,376 @@
+"""The Tinker API through the official ``tinker`` SDK (0.38.0), never a hand-written client
+(raw HTTP only where a test sends what the SDK never would: malformed bodies, another key's
+ids). The service runs for real: uvicorn on a loopback port, models in the service's process
+(``LocalPlacement``; the Prefect/Ray sessions are in ``test_stack.py``)."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import tinker
+import uvicorn
+from tinker import types
+
+from flowrl.backends.tinker_service import Limits, LocalPlacement, TinkerService, create_app
+from flowrl.backends.tinker_service import resolve_base_model as base_folder
+
+ALICE = "tml-alice-" + "a" * 24
+BOB = "tml-bob-" + "b" * 26
+BASE = "flowrl/tiny"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, service: TinkerService):
+        self.service = service
+        self.port = _port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            create_app(service), host="127.0.0.1", port=self.port, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.service.close()
+
+    def client(self, key: str = ALICE) -> tinker.ServiceClient:
+        return tinker.ServiceClient(base_url=self.url, api_key=key)
+
+    def post(
+        self, path: str, key: str = ALICE, headers: dict | None = None, **kw
+    ) -> httpx.Response:
+        headers = {"X-API-Key": key, **(headers or {})}
+        return httpx.post(f"{self.url}/api/v1/{path}", headers=headers, timeout=30, **kw)
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    path = tmp_path_factory.mktemp("tinker-home")
+    saved = os.environ.get("FLOWRL_HOME")
+    os.environ["FLOWRL_HOME"] = str(path)
+    yield path
+    if saved is None:
+        os.environ.pop("FLOWRL_HOME", None)
+    else:
+        os.environ["FLOWRL_HOME"] = saved
+
+
+@pytest.fixture(scope="module")
+def server(home: Path) -> Iterator[Server]:
+    service = TinkerService(
+        LocalPlacement(), keys={ALICE: "alice", BOB: "bob"}, limits=Limits(max_body_bytes=2**20)
+    )
+    srv = Server(service)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(home: Path):
+    from flowrl.backends.models import load_tokenizer
+
+    return load_tokenizer(base_folder("tiny", str(home / "model-cache")))
+
+
+def _datums(tokenizer, lines: list[str]) -> list[types.Datum]:
+    out = []
+    for line in lines:
+        ids = tokenizer.encode(line)
+        out.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(ids[:-1]),
+                loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+            )
+        )
+    return out
+
+
+LINES = ["12+7=19", "3+4=7", "5+5=10", "21+13=34", "8+9=17", "40+2=42"]
+
+
+def test_save_state_then_resume_with_optimizer_is_exact(server: Server, tokenizer) -> None:
+    """``save_state`` then ``create_training_client_from_state_with_optimizer``: the same
+    forward NLL, and the next step (AdamW moments restored) matches the uninterrupted run."""
+    client = server.client()
+    first = client.create_lora_training_client(BASE, rank=8, seed=1).result()
+    data = _datums(tokenizer, LINES)
+    adam = types.AdamParams(learning_rate=5e-3)
+    for _ in range(3):
+        first.forward_backward(data, "cross_entropy")
+        first.optim_step(adam).result()
+    path = first.save_state("after-3").result().path
+    assert path == f"tinker://{first.get_info().model_id}/weights/after-3"
+    second = client.create_training_client_from_state_with_optimizer(path).result()
+    a = first.forward(data, "cross_entropy").result()
+    b = second.forward(data, "cross_entropy").result()
+    assert abs(a.metrics["loss:sum"] - b.metrics["loss:sum"]) <= 1e-5
+    at_save = a.metrics["loss:sum"]
+    for one, two in zip(a.loss_fn_outputs, b.loss_fn_outputs, strict=True):
+        np.testing.assert_allclose(
+            one["logprobs"].to_numpy(), two["logprobs"].to_numpy(), atol=1e-6
+        )
+    for tc in (first, second):
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(adam).result()
+    a = first.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    b = second.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    assert abs(a - b) <= 1e-5, (a, b)
+    # Weights only (a fresh optimizer): the weights as saved.
+    third = client.create_training_client_from_state(path).result()
+    assert abs(third.forward(data, "cross_entropy").result().metrics["loss:sum"] - at_save) <= 1e-5
+
+
+def test_sampling_follows_its_parameters(server: Server, tokenizer) -> None:
+    """``num_samples``, seeds, stop tokens and strings, per-token and prompt log-probs that
+    agree with the trainer's."""
+    client = server.client()
+    tc = client.create_lora_training_client(BASE, rank=4, seed=2).result()
+    data = _datums(tokenizer, LINES)
+    for _ in range(5):
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints(tokenizer.encode("12+7="))
+
+    def sample(n: int, **params) -> types.SampleResponse:
+        return sampler.sample(prompt, n, types.SamplingParams(**params)).result()
+
+    one = sample(4, max_tokens=6, temperature=1.0, seed=7)
+    again = sample(4, max_tokens=6, temperature=1.0, seed=7)
+    assert len(one.sequences) == 4
+    assert [s.tokens for s in one.sequences] == [s.tokens for s in again.sequences]
+    assert all(len(s.tokens) == len(s.logprobs) <= 6 for s in one.sequences)
+    assert all(lp <= 0 for s in one.sequences for lp in s.logprobs)
+    greedy = sample(1, max_tokens=6, temperature=0.0).sequences[0]
+    stop_at = greedy.tokens[1]
+    stopped = sample(1, max_tokens=6, temperature=0.0, stop=[stop_at]).sequences[0]
+    first_stop = greedy.tokens.index(stop_at) + 1
+    assert stopped.tokens == greedy.tokens[:first_stop] and stopped.stop_reason == "stop"
+    assert sample(1, max_tokens=3, temperature=0.0).sequences[0].stop_reason == "length"
+    text = tokenizer.decode(greedy.tokens[:2])
+    by_string = sample(1, max_tokens=6, temperature=0.0, stop=[text]).sequences[0]
+    assert by_string.stop_reason == "stop" and len(by_string.tokens) <= 2
+    # The sampler's prompt log-probs are the trainer's log-probs of the same tokens.
+    ids = tokenizer.encode("12+7=19")
+    scored = sampler.sample(
+        types.ModelInput.from_ints(ids),
+        1,
+        types.SamplingParams(max_tokens=1),
+        include_prompt_logprobs=True,
+    ).result()
+    assert scored.prompt_logprobs[0] is None and len(scored.prompt_logprobs) == len(ids)
+    trained = tc.forward(_datums(tokenizer, ["12+7=19"]), "cross_entropy").result()
+    np.testing.assert_allclose(
+        scored.prompt_logprobs[1:], trained.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-4
+    )
+
+
+def test_saved_sampler_weights_serve_new_clients(server: Server, tokenizer) -> None:
+    """``save_weights_for_sampler(name)`` → a ``tinker://`` path that a new sampling client
+    samples greedily exactly as the trainer's snapshot does; runs and checkpoints are listed."""
+    client = server.client()
+    tc = client.create_lora_training_client(BASE, rank=4, seed=3).result()
+    for _ in range(5):
+        tc.forward_backward(_datums(tokenizer, LINES), "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    path = tc.save_weights_for_sampler("five").result().path
+    tc.forward_backward(_datums(tokenizer, LINES), "cross_entropy")
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()  # moves on; the path stays
+    prompt = types.ModelInput.from_ints(tokenizer.encode("3+4="))
+    greedy = types.SamplingParams(max_tokens=5, temperature=0.0)
+    from_path = (
+        client.create_sampling_client(model_path=path).result().sample(prompt, 1, greedy).result()
+    )
+    base = (
+        client.create_sampling_client(base_model=BASE).result().sample(prompt, 1, greedy).result()
+    )
+    again = (
+        client.create_sampling_client(model_path=path).result().sample(prompt, 1, greedy).result()
+    )
+    assert from_path.sequences[0].tokens == again.sequences[0].tokens
+    assert from_path.sequences[0].logprobs != base.sequences[0].logprobs
+    rest = tinker.RestClient(base_url=server.url, api_key=ALICE)
+    run_id = tc.get_info().model_id
+    assert run_id in [
+        r.training_run_id for r in rest.list_training_runs(limit=100).result().training_runs
+    ]
+    listed = [c.tinker_path for c in rest.list_checkpoints(run_id).result().checkpoints]
+    assert path in listed
+    info = rest.get_weights_info_by_tinker_path(path).result()
+    assert info.base_model == BASE and info.lora_rank == 4
+
+
+def test_keys_see_only_their_own_runs(server: Server, tokenizer) -> None:
+    """Bob cannot list, sample, load or touch Alice's runs and checkpoints; an unknown key
+    gets 401."""
+    alice = server.client(ALICE)
+    tc = alice.create_lora_training_client(BASE, rank=4, seed=4).result()
+    model_id = tc.get_info().model_id
+    state = tc.save_state("mine").result().path
+    sampler_path = tc.save_weights_for_sampler("mine-s").result().path
+    bob = server.client(BOB)
+    runs = (
+        tinker.RestClient(base_url=server.url, api_key=BOB)
+        .list_training_runs(limit=100)
+        .result()
+        .training_runs
+    )
+    assert model_id not in [r.training_run_id for r in runs]
+    with pytest.raises(Exception, match="404|no training run"):
+        tinker.RestClient(base_url=server.url, api_key=BOB).list_checkpoints(model_id).result()
+    with pytest.raises(Exception, match="404|no checkpoint"):
+        bob.create_sampling_client(model_path=sampler_path).result()
+    with pytest.raises(Exception, match="404|no checkpoint"):
+        bob.create_training_client_from_state(state).result()
+    assert server.post("get_info", BOB, json={"model_id": model_id}).status_code == 404
+    assert (
+        server.post("save_weights", BOB, json={"model_id": model_id, "path": "x"}).status_code
+        == 404
+    )
+    unknown = server.post("create_session", "tml-nobody-" + "z" * 20, json={})
+    assert unknown.status_code == 401, unknown.text
+    assert server.post("create_session", "", json={}).status_code == 401
+    # Alice still reaches hers.
+    assert alice.create_sampling_client(model_path=sampler_path).result() is not None
+
+
+def test_bad_input_is_a_4xx_and_the_server_goes_on(server: Server, tokenizer) -> None:
+    client = server.client()
+    tc = client.create_lora_training_client(BASE, rank=4, seed=5).result()
+    good = _datums(tokenizer, LINES[:2])
+    ids = tokenizer.encode("12+7=19")
+
+    def datum(**inputs) -> types.Datum:
+        return types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs=inputs)
+
+    cases = {
+        "target_tokens": datum(target_tokens=ids[1:-1], weights=[1.0] * (len(ids) - 1)),
+        "weights": datum(target_tokens=ids[1:], weights=[1.0] * (len(ids) - 3)),
+        "vocabulary": datum(target_tokens=[10_000] * (len(ids) - 1)),
+    }
+    for word, bad in cases.items():
+        with pytest.raises(tinker.BadRequestError, match=word):
+            tc.forward_backward([bad], "cross_entropy").result()
+    with pytest.raises(tinker.BadRequestError, match="dro"):
+        tc.forward_backward(good, "dro").result()
+    with pytest.raises(tinker.BadRequestError, match="loss_fn_config"):
+        tc.forward_backward(good, "cross_entropy", {"clip_low_threshold": 0.5}).result()
+    raw = {
+        "forward_backward": dict(
+            content=b"\xff\x00garbage", headers={"Content-Type": "application/x-protobuf"}
+        ),
+        "optim_step": dict(content=b"{not json", headers={"Content-Type": "application/json"}),
+        "create_model": dict(json={"session_id": "x", "model_seq_id": 0}),
+        "retrieve_future": dict(json={"request_id": "no-such-future"}),
+        "get_info": dict(json={"model_id": "0123456789abcdef:train:9"}),
+        "asample": dict(
+            json={"prompt": {"chunks": []}, "sampling_params": {}, "sampling_session_id": "nope"}
+        ),
+    }
+    for path, kwargs in raw.items():
+        r = server.post(path, **kwargs)
+        assert 400 <= r.status_code < 500, (path, r.status_code, r.text)
+        assert r.json()["detail"], path
+    big = server.post(
+        "optim_step", content=b"x" * (2**20 + 1), headers={"Content-Type": "application/json"}
+    )
+    assert big.status_code == 413
+    # The session and the server go on.
+    out = tc.forward_backward(good, "cross_entropy").result()
+    assert math.isfinite(out.metrics["loss:sum"]) and len(out.loss_fn_outputs) == 2
+    assert httpx.get(f"{server.url}/api/v1/healthz").json() == {"status": "ok"}
+
+
+def test_a_session_without_heartbeats_ends_and_keeps_its_states(home: Path, tokenizer) -> None:
+    """A client that stops heartbeating: after the TTL its models are unloaded (410), and its
+    saved state loads in a new session."""
+    service = TinkerService(
+        LocalPlacement(), keys={ALICE: "alice"}, limits=Limits(session_ttl_s=2.0)
+    )
+    srv = Server(service)
+    try:
+        live = srv.client()  # its SDK heartbeats every 10 s: outlives the 2 s TTL only between
+        tc = live.create_lora_training_client(BASE, rank=4, seed=6).result()
+        path = tc.save_state("kept").result().path
+        model_id = tc.get_info().model_id
+        session_id = model_id.split(":")[0]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not service.sessions[session_id].ended:
+            time.sleep(0.2)
+        assert service.sessions[session_id].ended.startswith("no heartbeat")
+        assert srv.post("get_info", json={"model_id": model_id}).status_code == 410
+        fresh = srv.client().create_training_client_from_state(path).result()
+        assert fresh.forward(_datums(tokenizer, LINES[:1]), "cross_entropy").result().metrics
+    finally:
+        srv.stop()
+
+
+def test_saved_states_load_after_a_killed_service(home: Path, tokenizer, tmp_path: Path) -> None:
+    """``flowrl serve tinker`` killed with SIGKILL and started again: a client's
+    ``create_training_client_from_state`` of a path saved before works, with the same NLL."""
+    port = _port()
+    env = {**os.environ, "FLOWRL_TINKER_KEYS": f"alice:{ALICE}"}
+    cmd = [sys.executable, "-m", "flowrl", "serve", "tinker", "--port", str(port)]
+    url = f"http://127.0.0.1:{port}"
+
+    def start() -> subprocess.Popen:
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "log", "ab")
+        )
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"{url}/api/v1/healthz", timeout=1)
+                return proc
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        proc.kill()
+        raise AssertionError((tmp_path / "log").read_text())
+
+    data = _datums(tokenizer, LINES)
+    proc = start()
+    try:
+        tc = tinker.ServiceClient(base_url=url, api_key=ALICE).create_lora_training_client(
+            BASE, rank=4, seed=7
+        )
+        for _ in range(3):
+            tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+        path = tc.save_state("before-kill").result().path
+        before = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    proc = start()
+    try:
+        client = tinker.ServiceClient(base_url=url, api_key=ALICE)
+        again = client.create_training_client_from_state_with_optimizer(path).result()
+        after = again.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        assert abs(before - after) <= 1e-5
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
