@@ -22,7 +22,7 @@ model, sampler or future, an oversized body) gets a 4xx naming it; nothing a cli
 answers 500.
 
 Where models live is a ``Placement``: ``LocalPlacement`` (in this process, for development and
-tests) or ``flows.tinker_session.SessionPlacement`` (each training model a Prefect flow run of the
+tests) or ``backends.tinker_actor.SessionPlacement`` (each training model a Prefect flow run of the
 ``tinker-session`` deployment, admitted by the scheduler, holding the Ray actor with the weights).
 
 Tenancy: an API key (``X-API-Key: tml-…``) maps to a flowrl namespace; keys come from
@@ -81,7 +81,6 @@ from flowrl.infra.storage import Storage
 API = "/api/v1"
 KEYS_VAR = "FLOWRL_TINKER_KEYS"
 INSECURE_NAMESPACE = None
-LONG_POLL_S = 20.0
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 RUN_PATTERN = re.compile(r"^([0-9a-f]{16}):train:([0-9]{1,6})$")
 KINDS = {"weights": "training", "sampler_weights": "sampler"}
@@ -111,6 +110,9 @@ class Limits:
     max_models_per_namespace: int = 8
     max_samples: int = 64
     future_ttl_s: float = 3600.0
+    long_poll_s: float = 20.0
+    """How long ``retrieve_future`` waits for a result before answering 408 ``try_again`` (the
+    SDK asks again at once; its own timeout per ask is 45 s)."""
 
 
 def read_keys(path: str | None = None) -> dict[str, str | None]:
@@ -128,6 +130,32 @@ def read_keys(path: str | None = None) -> dict[str, str | None]:
             raise SystemExit("an API key must start with tml- and have 20+ characters")
         keys[key] = namespace
     return keys
+
+
+def run_folder(namespace: str | None, run_id: str) -> str:
+    """A training run's storage folder: ``[ns/<namespace>/]tinker/<session>-train-<n>``."""
+    match = RUN_PATTERN.match(run_id)
+    if not match:
+        raise not_found(f"no training run {run_id[:80]!r}")
+    prefix = f"ns/{namespace}/tinker" if namespace else "tinker"
+    return f"{prefix}/{match[1]}-train-{match[2]}"
+
+
+def checkpoint_folder(storage: Storage, namespace: str | None, path: Any) -> tuple[str, str, str]:
+    """``tinker://<run>/<kind>/<name>`` → (run id, kind, storage folder). The run must be
+    ``namespace``'s and the checkpoint must exist (``ServiceError`` 400 / 404 naming it)."""
+    if not isinstance(path, str) or not path.startswith("tinker://"):
+        raise ServiceError(400, f"not a tinker:// path: {str(path)[:120]!r}")
+    parts = path[len("tinker://") :].split("/")
+    if len(parts) != 3 or parts[1] not in KINDS or not NAME_PATTERN.match(parts[2]):
+        raise ServiceError(
+            400, f"a path is tinker://<run>/weights|sampler_weights/<name>: {path[:120]!r}"
+        )
+    run_id, kind, name = parts
+    folder = f"{run_folder(namespace, run_id)}/{kind}/{name}"
+    if not storage.exists(f"{folder}/checkpoint.json"):
+        raise not_found(f"no checkpoint {path!r}")
+    return run_id, kind, folder
 
 
 def _digest(key: str) -> bytes:
@@ -277,6 +305,7 @@ class TinkerService:
         self.samplers: dict[str, _Sampler] = {}
         self.futures: dict[str, _Future] = {}
         self.pool: dict[tuple, _Model] = {}  # samplers of saved paths and base models
+        self.try_again = 0  # 408 answers to retrieve_future (a result not ready in a long poll)
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, daemon=True, name="tinker-reaper")
         self._reaper.start()
@@ -299,26 +328,11 @@ class TinkerService:
         return f"ns/{namespace}/tinker" if namespace else "tinker"
 
     def run_dir(self, namespace: str | None, run_id: str) -> str:
-        match = RUN_PATTERN.match(run_id)
-        if not match:
-            raise not_found(f"no training run {run_id[:80]!r}")
-        return f"{self.prefix(namespace)}/{match[1]}-train-{match[2]}"
+        return run_folder(namespace, run_id)
 
-    def parse_path(self, namespace: str | None, path: str) -> tuple[str, str, str, str]:
-        """``tinker://<run>/<kind>/<name>`` → (run id, kind, name, storage folder); the run must
-        be the caller's and the checkpoint must exist."""
-        if not isinstance(path, str) or not path.startswith("tinker://"):
-            raise ServiceError(400, f"not a tinker:// path: {str(path)[:120]!r}")
-        parts = path[len("tinker://") :].split("/")
-        if len(parts) != 3 or parts[1] not in KINDS or not NAME_PATTERN.match(parts[2]):
-            raise ServiceError(
-                400, f"a path is tinker://<run>/weights|sampler_weights/<name>: {path[:120]!r}"
-            )
-        run_id, kind, name = parts
-        folder = f"{self.run_dir(namespace, run_id)}/{kind}/{name}"
-        if not self.storage.exists(f"{folder}/checkpoint.json"):
-            raise not_found(f"no checkpoint {path!r}")
-        return run_id, kind, name, folder
+    def parse_path(self, namespace: str | None, path: Any) -> tuple[str, str, str]:
+        """(run id, kind, storage folder) of the caller's checkpoint at ``path``."""
+        return checkpoint_folder(self.storage, namespace, path)
 
     def base_uri(self, name: str) -> str:
         if name not in self.catalogue:
@@ -439,8 +453,10 @@ class TinkerService:
                 raise ServiceError(409, f"model {model_id} exists")
             live = sum(1 for m in self.models.values() if m.namespace == namespace and not m.ended)
             if live >= self.limits.max_models_per_namespace:
-                raise ServiceError(
-                    429, f"at most {self.limits.max_models_per_namespace} live models per key"
+                raise ServiceError(  # 403, not 429: the SDK would retry a 429 for minutes
+                    403,
+                    f"at most {self.limits.max_models_per_namespace} live models per key: "
+                    "close a session or unload a model first",
                 )
             model = _Model(model_id, namespace, session_id, base_model, lora)
             self.models[model_id] = model
@@ -617,7 +633,7 @@ class TinkerService:
         return s
 
     def sampler_from_path(self, namespace: str | None, session: _Session, path: str) -> str:
-        run_id, kind, name, folder = self.parse_path(namespace, path)
+        run_id, kind, folder = self.parse_path(namespace, path)
         record = self.checkpoint_record(folder)
         lora = LoraSpec(**record["lora"])
         with self.lock:
@@ -649,6 +665,11 @@ class TinkerService:
 
 
 # --------------------------------------------------------------------------- HTTP
+
+
+def _shape(lora: LoraSpec) -> tuple:
+    """What must match for an adapter to load into a model (the init seed need not)."""
+    return (lora.rank, lora.train_mlp, lora.train_attn, lora.train_unembed)
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -892,7 +913,7 @@ def create_app(service: TinkerService) -> FastAPI:
     @app.post(f"{API}/weights_info")
     async def weights_info(request: Request) -> dict:
         data = await body(request)
-        _, _, _, folder = await asyncio.to_thread(
+        _, _, folder = await asyncio.to_thread(
             service.parse_path, request.state.ns, data.get("tinker_path")
         )
         record = await asyncio.to_thread(service.checkpoint_record, folder)
@@ -994,7 +1015,7 @@ def create_app(service: TinkerService) -> FastAPI:
     async def load_weights(request: Request) -> dict:
         req = _parse(t.LoadWeightsRequest, await body(request))
         ns = request.state.ns
-        _, kind, _, folder = await asyncio.to_thread(service.parse_path, ns, req.path)
+        _, kind, folder = await asyncio.to_thread(service.parse_path, ns, req.path)
         if req.optimizer and kind != "weights":
             raise ServiceError(
                 400, "a sampler checkpoint has no optimizer state (save_state saves one)"
@@ -1002,7 +1023,10 @@ def create_app(service: TinkerService) -> FastAPI:
         record = await asyncio.to_thread(service.checkpoint_record, folder)
         if req.model_id is not None:
             model = service.model(ns, req.model_id)
-            if LoraSpec(**record["lora"]) != model.lora or record["base_model"] != model.base_model:
+            if (
+                _shape(LoraSpec(**record["lora"])) != _shape(model.lora)
+                or record["base_model"] != model.base_model
+            ):
                 raise ServiceError(
                     400, f"{req.path} was saved from another base model or LoRA shape"
                 )
@@ -1129,11 +1153,14 @@ def create_app(service: TinkerService) -> FastAPI:
     async def retrieve_future(request: Request) -> Response:
         data = await body(request)
         entry = service.future(request.state.ns, data.get("request_id"))
+        if entry.future.cancelled():
+            return JSONResponse({"error": "the request was cancelled", "category": "user"})
         try:
             result = await asyncio.wait_for(
-                asyncio.shield(asyncio.wrap_future(entry.future)), LONG_POLL_S
+                asyncio.shield(asyncio.wrap_future(entry.future)), limits.long_poll_s
             )
         except TimeoutError:
+            service.try_again += 1
             return JSONResponse(
                 {"type": "try_again", "request_id": data["request_id"], "queue_state": "active"},
                 status_code=408,
@@ -1213,7 +1240,7 @@ def create_app(service: TinkerService) -> FastAPI:
 
     @app.delete(f"{API}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}")
     async def delete_checkpoint(request: Request, run_id: str, kind: str, name: str) -> Response:
-        _, _, _, folder = await asyncio.to_thread(
+        _, _, folder = await asyncio.to_thread(
             service.parse_path, request.state.ns, f"tinker://{run_id}/{kind}/{name}"
         )
         await asyncio.to_thread(service.storage.delete, folder)

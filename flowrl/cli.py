@@ -99,6 +99,14 @@ def _add_tinker_commands(sub) -> None:
     )
     tok.add_argument("name", help="Base model name, e.g. flowrl/tiny.")
     tok.add_argument("--out", required=True, help="Folder to write the tokenizer files to.")
+    reg = tsub.add_parser(
+        "register",
+        help="Register a checkpoint (tinker://…) as an MLflow Model version (LoRA merged).",
+        description="The checkpoint of the namespace FLOWRL_NAMESPACE (its API key's) becomes a "
+        "version of the registered model NAME (namespace-scoped), with lineage; prints its URI.",
+    )
+    reg.add_argument("path", help="tinker://<run>/sampler_weights/<name> (or weights/<name>).")
+    reg.add_argument("--name", required=True, help="Registered model name.")
 
 
 def _add_infra_commands(sub) -> None:
@@ -245,7 +253,7 @@ def _tinker(args) -> int:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
         settings.apply_to_environment()
         if args.placement == "sessions":
-            from flowrl.flows.tinker_session import SessionPlacement
+            from flowrl.backends.tinker_actor import SessionPlacement
 
             placement = SessionPlacement()
         else:
@@ -256,6 +264,17 @@ def _tinker(args) -> int:
         serve(args, placement)
         return 0
     catalogue = settings.tinker_models
+    if args.action == "register":
+        from flowrl.backends.tinker_service import ServiceError
+        from flowrl.tasks.tinker import register_checkpoint
+
+        settings.apply_to_environment()
+        try:
+            print(register_checkpoint(args.path, args.name))
+        except (ServiceError, ValueError, PermissionError) as err:
+            print(f"flowrl: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.action == "models":
         for name, uri in sorted(catalogue.items()):
             print(f"{name:<32} {uri}")

@@ -719,3 +719,13 @@ def load_job(
     """A job config from YAML (None = embedded defaults) and ``--set`` overrides, validated as
     ``kind``; ``ConfigError`` naming every bad field otherwise."""
     return load_config(path, overrides, kind)
+
+
+class TinkerSessionConfig(JobConfig, title="Tinker session"):
+    """One training model of a Tinker API session (the service fills it in)."""
+
+    model_id: str = Field(description="The Tinker model id (<session>:train:<n>).")
+    base_model: str = Field(description="Catalogue name of the base model.")
+    base_uri: str = Field(description="Where the base model is (folder, s3://, models:/, tiny).")
+    lora: dict[str, Any] = Field(description="rank, seed, train_mlp, train_attn, train_unembed.")
+    owner: str | None = Field(default=None, description="The API key's namespace.")

@@ -511,12 +511,30 @@ def test_tinker_sessions_are_flow_runs_holding_gpu_slots(tinker_sessions, stack_
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         losses.append(fb.result().metrics["loss:sum"])
     assert losses[-1] < losses[0]
+    path = tc.save_state("in-s3").result().path  # the stack's storage is its S3 bucket
+    import s3fs
+
+    run_dir = tc.get_info().model_id.replace(":train:", "-train-")
+    found = s3fs.S3FileSystem(skip_instance_cache=True).find(f"flowrl/storage/tinker/{run_dir}")
+    assert any(f.endswith("weights/in-s3/adapter.safetensors") for f in found), (path, found)
     client.close("success").result()
     jobs = JobClient()
     assert jobs.wait(str(run.id), timeout=120).state == "COMPLETED"
     assert _gpu_slots_in_use() == 0
     metrics = jobs.metrics(str(run.id))  # the session's MLflow run
     assert metrics["optim/lr"] == pytest.approx(1e-2) and "train/loss_sum" in metrics
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with get_client(sync_client=True) as c:
+        lines = [
+            g.message
+            for g in c.read_logs(
+                log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[run.id]))
+            )
+        ]
+    assert any(" ready: flowrl/tiny, LoRA rank 4" in line for line in lines), lines
+    assert any("unloaded after 4 optimizer steps" in line for line in lines), lines
 
     # A client that never heartbeats: its model is unloaded after the TTL, its slot freed.
     key = {"X-API-Key": "tml-" + "t" * 24}

@@ -40,6 +40,7 @@ def _port() -> int:
 class Server:
     def __init__(self, service: TinkerService):
         self.service = service
+        self.clients: list[tinker.ServiceClient] = []
         self.port = _port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
@@ -58,7 +59,14 @@ class Server:
         self.service.close()
 
     def client(self, key: str = ALICE) -> tinker.ServiceClient:
-        return tinker.ServiceClient(base_url=self.url, api_key=key)
+        client = tinker.ServiceClient(base_url=self.url, api_key=key)
+        self.clients.append(client)
+        return client
+
+    def close_clients(self) -> None:
+        """Finish every session the test opened: its models are unloaded."""
+        while self.clients:
+            self.clients.pop().close("success").result()
 
     def post(
         self, path: str, key: str = ALICE, headers: dict | None = None, **kw
@@ -81,12 +89,19 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def server(home: Path) -> Iterator[Server]:
-    service = TinkerService(
-        LocalPlacement(), keys={ALICE: "alice", BOB: "bob"}, limits=Limits(max_body_bytes=2**20)
-    )
+    limits = Limits(max_body_bytes=2**20, max_models_per_namespace=6)
+    service = TinkerService(LocalPlacement(), keys={ALICE: "alice", BOB: "bob"}, limits=limits)
     srv = Server(service)
     yield srv
     srv.stop()
+
+
+@pytest.fixture(autouse=True)
+def _finish_sessions(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test's sessions end with it (6 live models per key at most)."""
+    yield
+    if "server" in request.fixturenames:
+        request.getfixturevalue("server").close_clients()
 
 
 @pytest.fixture(scope="module")
@@ -142,6 +157,16 @@ def test_save_state_then_resume_with_optimizer_is_exact(server: Server, tokenize
     # Weights only (a fresh optimizer): the weights as saved.
     third = client.create_training_client_from_state(path).result()
     assert abs(third.forward(data, "cross_entropy").result().metrics["loss:sum"] - at_save) <= 1e-5
+    # load_state / load_state_with_optimizer into a running client of the same shape.
+    fourth = client.create_lora_training_client(BASE, rank=8, seed=9).result()
+    fourth.load_state_with_optimizer(path).result()
+    assert abs(fourth.forward(data, "cross_entropy").result().metrics["loss:sum"] - at_save) <= 1e-5
+    fourth.forward_backward(data, "cross_entropy")
+    fourth.optim_step(adam).result()
+    assert abs(fourth.forward(data, "cross_entropy").result().metrics["loss:sum"] - a) <= 1e-5
+    other_shape = client.create_lora_training_client(BASE, rank=4, seed=9).result()
+    with pytest.raises(tinker.BadRequestError, match="another base model or LoRA shape"):
+        other_shape.load_state(path).result()
 
 
 def test_sampling_follows_its_parameters(server: Server, tokenizer) -> None:
@@ -224,6 +249,66 @@ def test_saved_sampler_weights_serve_new_clients(server: Server, tokenizer) -> N
     assert info.base_model == BASE and info.lora_rank == 4
 
 
+def test_a_sampler_checkpoint_registers_as_an_mlflow_model(
+    server: Server, tokenizer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """``flowrl tinker register``: the checkpoint becomes a version of the namespace's model,
+    with lineage, whose pyfunc loads and answers; its merged weights give the adapter's
+    log-probs."""
+    import glob
+
+    import mlflow
+    import pandas as pd
+    import torch
+
+    from flowrl.backends.models import load_causal_lm
+    from flowrl.cli import main
+    from flowrl.infra.tracking import download_model
+
+    tc = server.client().create_lora_training_client(BASE, rank=4, seed=8).result()
+    data = _datums(tokenizer, LINES[:3])
+    for _ in range(5):
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=2e-2)).result()
+    trained = tc.forward(data, "cross_entropy").result()
+    path = tc.save_weights_for_sampler("to-register").result().path
+    monkeypatch.setenv("FLOWRL_NAMESPACE", "alice")
+    assert main(["tinker", "register", path, "--name", "tinker-policy"]) == 0
+    uri = capsys.readouterr().out.strip().splitlines()[-1]
+    assert uri == "models:/alice_tinker-policy/1"
+    version = mlflow.MlflowClient().get_model_version("alice_tinker-policy", "1")
+    assert version.tags["flowrl.kind"] == "tinker"
+    assert version.tags["flowrl.job"] == tc.get_info().model_id
+    answer = mlflow.pyfunc.load_model(uri).predict(
+        pd.DataFrame({"messages": [[{"role": "user", "content": "2+3?"}]]}),
+        params={"max_new_tokens": 4},
+    )
+    assert isinstance(answer["content"][0], str)
+    configs = glob.glob(f"{download_model(uri)}/**/config.json", recursive=True)
+    merged = load_causal_lm(str(Path(configs[0]).parent))
+    for datum, out in zip(data, trained.loss_fn_outputs, strict=True):
+        ids = torch.tensor([datum.model_input.to_ints()])
+        targets = torch.tensor(datum.loss_fn_inputs["target_tokens"].to_numpy())
+        logp = torch.log_softmax(merged(ids).logits[0], -1)[range(len(targets)), targets]
+        np.testing.assert_allclose(logp.detach().numpy(), out["logprobs"].to_numpy(), atol=1e-5)
+    # Bob's namespace has no such checkpoint.
+    monkeypatch.setenv("FLOWRL_NAMESPACE", "bob")
+    assert main(["tinker", "register", path, "--name", "stolen"]) == 2
+
+
+def test_a_key_holds_at_most_its_limit_of_live_models(server: Server) -> None:
+    """The 7th live model of a key is refused at once (403, not a 429 the SDK would retry for
+    minutes); finishing the session frees them."""
+    client = server.client()
+    held = [client.create_lora_training_client(BASE, rank=2, seed=i).result() for i in range(6)]
+    started = time.monotonic()
+    with pytest.raises(tinker.PermissionDeniedError, match="at most 6 live models per key"):
+        client.create_lora_training_client(BASE, rank=2, seed=6).result()
+    assert time.monotonic() - started < 10
+    server.close_clients()
+    assert held and server.client().create_lora_training_client(BASE, rank=2).result()
+
+
 def test_keys_see_only_their_own_runs(server: Server, tokenizer) -> None:
     """Bob cannot list, sample, load or touch Alice's runs and checkpoints; an unknown key
     gets 401."""
@@ -303,14 +388,20 @@ def test_bad_input_is_a_4xx_and_the_server_goes_on(server: Server, tokenizer) ->
     out = tc.forward_backward(good, "cross_entropy").result()
     assert math.isfinite(out.metrics["loss:sum"]) and len(out.loss_fn_outputs) == 2
     assert httpx.get(f"{server.url}/api/v1/healthz").json() == {"status": "ok"}
+    # Unloading a model (the REST verb; this SDK has no method for it): then it answers 410.
+    model_id = tc.get_info().model_id
+    unload = server.post("unload_model", json={"model_id": model_id})
+    assert unload.status_code == 200
+    done = server.post("retrieve_future", json={"request_id": unload.json()["request_id"]})
+    assert done.json() == {"model_id": model_id, "type": "unload_model"}
+    assert server.post("get_info", json={"model_id": model_id}).status_code == 410
 
 
 def test_a_session_without_heartbeats_ends_and_keeps_its_states(home: Path, tokenizer) -> None:
     """A client that stops heartbeating: after the TTL its models are unloaded (410), and its
     saved state loads in a new session."""
-    service = TinkerService(
-        LocalPlacement(), keys={ALICE: "alice"}, limits=Limits(session_ttl_s=2.0)
-    )
+    limits = Limits(session_ttl_s=2.0, long_poll_s=0.001)  # results come after 408s
+    service = TinkerService(LocalPlacement(), keys={ALICE: "alice"}, limits=limits)
     srv = Server(service)
     try:
         live = srv.client()  # its SDK heartbeats every 10 s: outlives the 2 s TTL only between
@@ -323,6 +414,7 @@ def test_a_session_without_heartbeats_ends_and_keeps_its_states(home: Path, toke
             time.sleep(0.2)
         assert service.sessions[session_id].ended.startswith("no heartbeat")
         assert srv.post("get_info", json={"model_id": model_id}).status_code == 410
+        assert service.try_again > 0  # the SDK took 408 try_again answers and asked again
         fresh = srv.client().create_training_client_from_state(path).result()
         assert fresh.forward(_datums(tokenizer, LINES[:1]), "cross_entropy").result().metrics
     finally:
@@ -354,9 +446,8 @@ def test_saved_states_load_after_a_killed_service(home: Path, tokenizer, tmp_pat
     data = _datums(tokenizer, LINES)
     proc = start()
     try:
-        tc = tinker.ServiceClient(base_url=url, api_key=ALICE).create_lora_training_client(
-            BASE, rank=4, seed=7
-        )
+        client = tinker.ServiceClient(base_url=url, api_key=ALICE)
+        tc = client.create_lora_training_client(BASE, rank=4, seed=7).result()
         for _ in range(3):
             tc.forward_backward(data, "cross_entropy")
             tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()

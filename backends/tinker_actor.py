@@ -1,0 +1,161 @@
+"""Where a Tinker session's model lives when sessions are flowrl jobs: the Ray actor that holds
+it (``TinkerActor``, started by the ``tinker-session`` flow run) and the service's side
+(``SessionPlacement``: submit the run, find its actor by name; ``RayHandle``: call it).
+
+The actor is named ``tinker-<model>`` in Ray's ``flowrl`` namespace. One call at a time runs on
+the model, while ``poll`` (the flow run's supervision) waits for the metrics it records (loss per
+``forward_backward``, tokens, learning rate and gradient norm per ``optim_step``) or for
+``close`` (the service unloads the model): then the run ends and its GPU slots are freed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import ray
+
+from flowrl.infra.settings import get_settings
+
+ACTOR_PREFIX = "tinker-"
+RAY_NAMESPACE = "flowrl"
+START_TIMEOUT_S = 900.0
+
+
+def actor_name(model_id: str) -> str:
+    return ACTOR_PREFIX + model_id.replace(":", "-")
+
+
+@ray.remote(max_concurrency=4)
+class TinkerActor:
+    """A ``TinkerModel`` in a Ray worker: one call at a time on the model, while ``poll``
+    (the flow run's) waits for metrics or the end."""
+
+    def __init__(self, base_uri: str, lora: dict[str, Any], cache_dir: str):
+        from flowrl.backends.tinker_engine import TinkerModel
+        from flowrl.backends.tinker_service import resolve_base_model
+        from flowrl.backends.tinker_types import LoraSpec
+
+        self.model = TinkerModel(resolve_base_model(base_uri, cache_dir), LoraSpec(**lora))
+        self.lock = threading.Lock()
+        self.changed = threading.Condition()
+        self.metrics: list[dict[str, float]] = []
+        self.closed = False
+        self.step = 0
+
+    def info(self) -> dict[str, int]:
+        return {"vocab_size": self.model.vocab_size, "context_length": self.model.context_length}
+
+    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+        with self.lock:
+            if self.closed:
+                raise RuntimeError("this model is unloaded")
+            out = getattr(self.model, method)(*args, **kwargs)
+            self._record(method, args, out)
+        return out
+
+    def _record(self, method: str, args: tuple, out: Any) -> None:
+        row: dict[str, float] = {}
+        if method == "forward_backward" and not args[3]:  # forward-only calls train nothing
+            row = {"train/loss_sum": out.metrics["loss:sum"]}
+            row["train/tokens"] = float(sum(len(d.tokens) for d in args[0]))
+            row["train/datums"] = float(len(args[0]))
+        elif method == "optim_step":
+            self.step += 1
+            row = {"optim/lr": out["learning_rate:mean"], "optim/grad_norm": out["grad_norm:mean"]}
+        if row:
+            with self.changed:
+                self.metrics.append({**row, "step": float(self.step)})
+                self.changed.notify_all()
+
+    def poll(self, timeout: float) -> tuple[bool, list[dict[str, float]]]:
+        """The metrics recorded since the last poll, and whether the model is unloaded."""
+        with self.changed:
+            if not self.metrics and not self.closed:
+                self.changed.wait(timeout)
+            rows, self.metrics = self.metrics, []
+            return self.closed, rows
+
+    def close(self) -> None:
+        with self.changed:
+            self.closed = True
+            self.changed.notify_all()
+
+
+class RayHandle:
+    """The service's handle on a session's actor."""
+
+    def __init__(self, actor: Any, flow_run_id: str, info: dict[str, int]):
+        self.actor = actor
+        self.flow_run_id = flow_run_id
+        self.info = info
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        from ray.exceptions import RayTaskError
+
+        try:
+            return ray.get(self.actor.call.remote(method, args, kwargs))
+        except RayTaskError as e:
+            cause = getattr(e, "cause", None)
+            raise (cause if isinstance(cause, Exception) else e) from None
+
+    def close(self) -> None:
+        try:
+            ray.get(self.actor.close.remote(), timeout=30)
+        except Exception:  # noqa: BLE001 - an actor already gone is closed
+            pass
+
+
+class SessionPlacement:
+    """Each training model a run of the ``tinker-session`` deployment (``resources.gpus`` =
+    ``gpus``, queue ``queue``); ``start`` waits until the run's actor answers."""
+
+    def __init__(self, gpus: int = 1, queue: str | None = None, deployment: str = "tinker-session"):
+        self.gpus = gpus
+        self.queue = queue
+        self.deployment = deployment
+
+    def start(self, spec: dict[str, Any]) -> RayHandle:
+        from flowrl.infra.client import JobClient
+
+        _connect_ray()
+        model_id = spec["model_id"]
+        name = f"tinker-{model_id.split(':')[0]}-{model_id.rsplit(':', 1)[-1]}"
+        config = {
+            "name": name,
+            "experiment": "tinker",
+            "model_id": model_id,
+            "base_model": spec["base_model"],
+            "base_uri": spec["base_uri"],
+            "lora": spec["lora"],
+            "owner": spec["namespace"],
+            "resources": {"gpus": self.gpus},
+        }
+        jobs = JobClient()
+        run_id = jobs.submit(self.deployment, {"config": config}, queue=self.queue)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                actor = ray.get_actor(actor_name(model_id), namespace=RAY_NAMESPACE)
+                return RayHandle(actor, run_id, ray.get(actor.info.remote()))
+            except ValueError:  # not started yet
+                pass
+            status = jobs.status(run_id)
+            if status.state in ("FAILED", "CRASHED", "CANCELLED", "COMPLETED"):
+                raise RuntimeError(
+                    f"session run {run_id} ended {status.state} before its model was ready: "
+                    f"{status.message or ''}"
+                )
+            time.sleep(0.5)
+        raise TimeoutError(f"session run {run_id} did not start its model in {START_TIMEOUT_S} s")
+
+
+def _connect_ray() -> None:
+    """This process (the service) joins the stack's Ray cluster, in flowrl's namespace."""
+    if ray.is_initialized():
+        return
+    address = get_settings().ray_address
+    if address is None:
+        raise RuntimeError("sessions need a Ray cluster: set FLOWRL_RAY_ADDRESS (flowrl stack up)")
+    ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
