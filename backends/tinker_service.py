@@ -47,6 +47,7 @@ import hashlib
 import hmac
 import ipaddress
 import json
+import math
 import os
 import re
 import secrets
@@ -363,6 +364,8 @@ class TinkerService:
     def create_session(self, namespace: str | None, body: dict) -> str:
         session_id = secrets.token_hex(8)
         meta = body.get("user_metadata") or {}
+        if not isinstance(meta, dict):
+            raise ServiceError(400, "user_metadata must be an object")
         with self.lock:
             self.sessions[session_id] = _Session(
                 session_id,
@@ -687,16 +690,16 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
         ) from None
 
 
-def _params(params: Any, vocab_size: int, context: int) -> SampleParams:
-    max_tokens = params.max_tokens
-    if max_tokens is None:
-        max_tokens = 64
-    if max_tokens < 1 or (context and max_tokens > context):
-        raise ServiceError(
-            400, f"max_tokens must be 1..{context or 'the context length'}, got {max_tokens}"
-        )
-    if params.temperature < 0 or not 0 < params.top_p <= 1:
-        raise ServiceError(400, "temperature must be >= 0 and top_p in (0, 1]")
+def _params(params: Any) -> SampleParams:
+    """The sampling parameters, checked (what depends on the model: ``_fits``)."""
+    max_tokens = 64 if params.max_tokens is None else params.max_tokens
+    if not 1 <= max_tokens <= 2**20:
+        raise ServiceError(400, f"max_tokens must be >= 1, got {max_tokens}")
+    temperature, top_p = float(params.temperature), float(params.top_p)
+    if not (math.isfinite(temperature) and temperature >= 0 and 0 < top_p <= 1):
+        raise ServiceError(400, "temperature must be a finite number >= 0 and top_p in (0, 1]")
+    if params.seed is not None and not 0 <= params.seed < 2**63:
+        raise ServiceError(400, f"seed must be in [0, 2**63), got {params.seed}")
     stop = params.stop
     tokens: tuple[int, ...] = ()
     strings: tuple[str, ...] = ()
@@ -707,19 +710,31 @@ def _params(params: Any, vocab_size: int, context: int) -> SampleParams:
         if all(isinstance(s, str) for s in items):
             strings = tuple(items)
         elif all(isinstance(s, int) for s in items):
-            check_tokens(items, vocab_size, "stop")
             tokens = tuple(items)
         else:
             raise ServiceError(400, "stop must be token ids or strings, not both")
     return SampleParams(
         max_tokens=int(max_tokens),
-        temperature=float(params.temperature),
+        temperature=temperature,
         top_k=int(params.top_k),
-        top_p=float(params.top_p),
+        top_p=top_p,
         stop_tokens=tokens,
         stop_strings=strings,
         seed=params.seed,
     )
+
+
+def _fits(prompt: list[int], params: SampleParams, info: dict[str, int]) -> None:
+    """The prompt and stop tokens are in the model's vocabulary, and prompt + max_tokens fits
+    its context (``TinkerInputError``, a 400, otherwise)."""
+    check_tokens(prompt, info["vocab_size"], "prompt")
+    check_tokens(params.stop_tokens, info["vocab_size"], "stop")
+    context = info["context_length"]
+    if context and len(prompt) + params.max_tokens > context:
+        raise TinkerInputError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+            f"model's context length {context}"
+        )
 
 
 def _prompt_tokens(prompt: Any) -> list[int]:
@@ -823,6 +838,7 @@ def create_app(service: TinkerService) -> FastAPI:
     @app.post(f"{API}/create_session")
     async def create_session(request: Request) -> dict:
         data = await body(request)
+        _parse(t.CreateSessionRequest, data)
         return {
             "type": "create_session",
             "session_id": service.create_session(request.state.ns, data),
@@ -1132,14 +1148,18 @@ def create_app(service: TinkerService) -> FastAPI:
                 400, f"num_samples must be 1..{limits.max_samples}, got {req.num_samples}"
             )
         prompt = _prompt_tokens(req.prompt)
+        if not prompt:
+            raise ServiceError(400, "the prompt is empty")
+        params = _params(req.sampling_params)
         target = service.sampler_target(sampler)
+        if target.handle is not None:  # else checked on the model's worker, once it is up
+            _fits(prompt, params, target.handle.info)
         weights = sampler.weights
         n = req.num_samples
         want_prompt = bool(req.prompt_logprobs)
-        sampling = req.sampling_params
 
         def work(handle: ModelHandle) -> bytes:
-            params = _params(sampling, handle.info["vocab_size"], handle.info["context_length"])
+            _fits(prompt, params, handle.info)
             return write_sample_response(
                 handle.call("sample", prompt, n, params, weights, want_prompt)
             )

@@ -360,6 +360,15 @@ def test_bad_input_is_a_4xx_and_the_server_goes_on(server: Server, tokenizer) ->
     for word, bad in cases.items():
         with pytest.raises(tinker.BadRequestError, match=word):
             tc.forward_backward([bad], "cross_entropy").result()
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    for prompt, params, word in (
+        ([5, 6, 10_000], types.SamplingParams(max_tokens=4), "vocabulary"),
+        ([5, 6], types.SamplingParams(max_tokens=100_000), "context length"),
+        ([5, 6], types.SamplingParams(max_tokens=4, temperature=-1.0), "temperature"),
+        ([5, 6], types.SamplingParams(max_tokens=4, stop=[10_000]), "stop"),
+    ):
+        with pytest.raises(Exception, match=word):  # a 400 at submission; the SDK re-raises it
+            sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result()
     with pytest.raises(tinker.BadRequestError, match="dro"):
         tc.forward_backward(good, "dro").result()
     with pytest.raises(tinker.BadRequestError, match="loss_fn_config"):
@@ -407,6 +416,7 @@ def test_a_session_without_heartbeats_ends_and_keeps_its_states(home: Path, toke
         live = srv.client()  # its SDK heartbeats every 10 s: outlives the 2 s TTL only between
         tc = live.create_lora_training_client(BASE, rank=4, seed=6).result()
         path = tc.save_state("kept").result().path
+        tc.forward(_datums(tokenizer, LINES * 50), "cross_entropy").result()  # ~0.1 s of work
         model_id = tc.get_info().model_id
         session_id = model_id.split(":")[0]
         deadline = time.monotonic() + 30
