@@ -135,7 +135,7 @@ class TinkerModel:
             ids[i, :n] = torch.tensor(d.tokens, dtype=torch.long)
             mask[i, :n] = 1.0
             for k, v in d.inputs.items():
-                inputs[k][i, :n] = torch.from_numpy(np.asarray(v)).to(inputs[k].dtype)
+                inputs[k][i, :n] = torch.from_numpy(np.array(v)).to(inputs[k].dtype)
         return (
             ids.to(self.device),
             mask.to(self.device),
@@ -241,7 +241,7 @@ class TinkerModel:
             row = token_logprobs(out.logits[:1, :-1], ids[:1, 1:])[0].tolist()
             prompt_lp = [math.nan, *row]
         logits = out.logits[:, -1, :].float()
-        stops = set(params.stop_tokens)
+        stops = set(params.stop_tokens) | set(self.eos_ids)  # end of sequence always stops
         tokens: list[list[int]] = [[] for _ in range(n)]
         logps: list[list[float]] = [[] for _ in range(n)]
         reasons = ["length"] * n

@@ -1,5 +1,6 @@
 """Servers a test starts as an operator would, on free loopback ports, stopped by PID: the
-environment service (``python -m flowrl.environments.service``) and a Ray cluster head."""
+environment service (``python -m flowrl.environments.service``) and a Ray cluster head; and the
+Tinker API in the test's own process (``TinkerServer``: uvicorn in a thread)."""
 
 from __future__ import annotations
 
@@ -149,3 +150,36 @@ def _ray_process(cmd: list[str], env: dict[str, str], temp: str | None) -> Itera
 def _listening(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+class TinkerServer:
+    """A ``TinkerService`` behind uvicorn on a free loopback port, in a thread of this process;
+    ``stop()`` stops the server, then the service (its models unloaded)."""
+
+    def __init__(self, service) -> None:  # noqa: ANN001 - a flowrl TinkerService
+        import threading
+
+        import uvicorn
+
+        from flowrl.backends.tinker_service import create_app
+
+        self.service = service
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            create_app(service), host="127.0.0.1", port=self.port, log_level="warning"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True, name="tinker-uvicorn")
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.service.close()
+                raise RuntimeError("the Tinker service did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.service.close()

@@ -8,10 +8,8 @@ from __future__ import annotations
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,43 +18,24 @@ import httpx
 import numpy as np
 import pytest
 import tinker
-import uvicorn
+from services import TinkerServer
 from tinker import types
 
-from flowrl.backends.tinker_service import Limits, LocalPlacement, TinkerService, create_app
+from flowrl.backends.tinker_service import Limits, LocalPlacement, TinkerService
 from flowrl.backends.tinker_service import resolve_base_model as base_folder
+from flowrl.infra.servers import free_port
 
 ALICE = "tml-alice-" + "a" * 24
 BOB = "tml-bob-" + "b" * 26
 BASE = "flowrl/tiny"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(TinkerServer):
+    """The service for these tests, with the SDK clients and raw posts they make."""
 
-
-class Server:
     def __init__(self, service: TinkerService):
-        self.service = service
+        super().__init__(service)
         self.clients: list[tinker.ServiceClient] = []
-        self.port = _port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            create_app(service), host="127.0.0.1", port=self.port, log_level="warning"
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        self.service.close()
 
     def client(self, key: str = ALICE) -> tinker.ServiceClient:
         client = tinker.ServiceClient(base_url=self.url, api_key=key)
@@ -434,7 +413,7 @@ def test_a_session_without_heartbeats_ends_and_keeps_its_states(home: Path, toke
 def test_saved_states_load_after_a_killed_service(home: Path, tokenizer, tmp_path: Path) -> None:
     """``flowrl serve tinker`` killed with SIGKILL and started again: a client's
     ``create_training_client_from_state`` of a path saved before works, with the same NLL."""
-    port = _port()
+    port = free_port()
     env = {**os.environ, "FLOWRL_TINKER_KEYS": f"alice:{ALICE}"}
     cmd = [sys.executable, "-m", "flowrl", "serve", "tinker", "--port", str(port)]
     url = f"http://127.0.0.1:{port}"

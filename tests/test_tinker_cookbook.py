@@ -13,18 +13,15 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import uvicorn
 from families import FAMILIES, build_family
+from services import TinkerServer
 
-from flowrl.backends.tinker_service import LocalPlacement, TinkerService, create_app
+from flowrl.backends.tinker_service import LocalPlacement, TinkerService
 
 REPO = Path(__file__).resolve().parent.parent
 CLIENT_VENV = Path(os.environ.get("FLOWRL_TEST_CLIENT_VENV", REPO / ".venv-client"))
@@ -60,34 +57,18 @@ def expected_weighted(conversation: list[dict]) -> str:
     return "".join(f"{r}<|im_end|>" for r in history) + f"<think>\n\n</think>\n\n{last}<|im_end|>"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture
 def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, str]]:
-    """The service in this process (uvicorn on a loopback port, in a thread), one namespace,
-    a catalogue of the one fixture model; yields its URL and the fixture's folder."""
+    """The service in this process (``TinkerServer``), one namespace, a catalogue of the one
+    fixture model; yields its URL and the fixture's folder."""
     monkeypatch.setenv("FLOWRL_HOME", str(tmp_path / "home"))
     folder = build_family(FAMILIES["qwen3"], tmp_path / "qwen3")
     service = TinkerService(LocalPlacement(), catalogue={BASE: folder}, keys={KEY: "cookbook"})
-    port = _port()
-    config = uvicorn.Config(create_app(service), host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
+    server = TinkerServer(service)
     try:
-        deadline = time.monotonic() + 30
-        while not server.started and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert server.started, "the Tinker service did not start"
-        yield f"http://127.0.0.1:{port}", folder
+        yield server.url, folder
     finally:
-        server.should_exit = True
-        thread.join(10)
-        service.close()
+        server.stop()
 
 
 def test_cookbook_sft_on_qwen3_fixture(server: tuple[str, str], tmp_path: Path) -> None:
