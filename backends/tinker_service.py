@@ -76,6 +76,7 @@ from flowrl.backends.tinker_wire import (
     write_forward_output,
     write_sample_response,
 )
+from flowrl.infra.servers import body_size_refusal
 from flowrl.infra.settings import get_settings
 from flowrl.infra.storage import Storage
 
@@ -758,12 +759,11 @@ def create_app(service: TinkerService) -> FastAPI:
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Response:
-        if request.method in ("POST", "PUT", "PATCH"):
-            length = request.headers.get("content-length")
-            if length is None:
-                return _error(411, "a request body needs a Content-Length")
-            if not length.isdigit() or int(length) > limits.max_body_bytes:
-                return _error(413, f"request body over {limits.max_body_bytes} bytes")
+        refusal = body_size_refusal(
+            request.method, request.headers.get("content-length"), limits.max_body_bytes
+        )
+        if refusal is not None:
+            return _error(*refusal)
         path = request.url.path
         if path not in (f"{API}/healthz", f"{API}/client/config", f"{API}/client/dynamic_config"):
             try:

@@ -76,6 +76,7 @@ from flowrl.environments.types import (
     step_fields,
     to_wire,
 )
+from flowrl.infra.servers import body_size_refusal
 
 _ID = Field(min_length=1, max_length=256)
 
@@ -155,12 +156,11 @@ def create_app(
 
     @app.middleware("http")
     async def guard(request: Request, call_next: Any) -> Response:
-        if request.method in ("POST", "PUT", "PATCH"):
-            length = request.headers.get("content-length")
-            if length is None:
-                return _error(411, "a request body needs a Content-Length")
-            if not length.isdigit() or int(length) > limits.max_body_bytes:
-                return _error(413, f"request body over {limits.max_body_bytes} bytes")
+        refusal = body_size_refusal(
+            request.method, request.headers.get("content-length"), limits.max_body_bytes
+        )
+        if refusal is not None:
+            return _error(*refusal)
         if request.url.path != "/health":
             owner = _owner(request.headers.get("authorization", ""), by_token)
             if owner is None:
