@@ -1,8 +1,10 @@
 """Long-lived workers that hold a policy's weights, as named Ray actors (or in-process).
 
-Prefect tasks never load weights: they receive a small ``PolicyRef`` (actor names) and call
-the workers' verbs through ``sampler(ref)`` / ``trainer(ref)``. The same verbs run in-process
-when a ``PolicyRef`` is started with ``local=True`` (benchmarks, notebooks without Ray).
+Prefect tasks never load weights: they receive a small ``PolicyRef`` (its placement: actor
+names) and call the workers' verbs through ``sampler(ref)`` / ``trainer(ref)``. A placement is
+one object with one interface (``PolicyRef``: the workers, ``sync``, ``restart``, ``stop``,
+``nodes``), implemented by ``SplitPolicy``, ``ColocatedPolicy`` and ``LocalPolicy`` (the same
+verbs in-process, without Ray: benchmarks, notebooks).
 """
 
 from __future__ import annotations
@@ -130,28 +132,6 @@ ROLES = ("sampler", "trainer")
 
 
 @dataclass(frozen=True)
-class PolicyRef:
-    """Names of one policy's sampler workers and trainer worker (picklable, passed to tasks).
-    Every sampler holds the same weights: a weight sync reaches them all."""
-
-    samplers: tuple[str, ...]
-    trainer: str
-    local: bool = False
-    colocated: bool = False
-    """One actor (``ColocatedWorker``) is the only sampler and the trainer."""
-
-    @property
-    def actors(self) -> tuple[str, ...]:
-        """Each worker's name once."""
-        return tuple(dict.fromkeys((*self.samplers, self.trainer)))
-
-    @property
-    def sampler(self) -> str:
-        """The first sampler (the only one unless ``resources.samplers`` > 1)."""
-        return self.samplers[0]
-
-
-@dataclass(frozen=True)
 class ActorResources:
     """What each worker asks the cluster for."""
 
@@ -213,38 +193,30 @@ class _Proxy:
         return lambda *args, **kwargs: ray.get(call.remote(role, verb, *args, **kwargs))
 
 
-def _worker(name: str, local: bool, role: str = "sampler") -> _Proxy:
-    if local:
-        return _Proxy(_LOCAL_WORKERS[name], remote=False, role=role)
-    return _Proxy(ray.get_actor(name, namespace=NAMESPACE), remote=True, role=role)
-
-
 def sampler(ref: PolicyRef, index: int = 0) -> _Proxy:
     """Sampler ``index`` of the policy (``len(ref.samplers)`` of them)."""
-    return _worker(ref.samplers[index], ref.local)
-
-
-def sampler_weights_version(ref: PolicyRef) -> int:
-    """The weights version every sampler of the policy holds (they are synced together; a
-    disagreement is a bug in the pipeline and raises)."""
-    versions = {name: _worker(name, ref.local).get_weights_version() for name in ref.samplers}
-    if len(set(versions.values())) > 1:
-        raise RuntimeError(f"the policy's samplers hold different weights: {versions}")
-    return next(iter(versions.values()))
-
-
-def worker_nodes(ref: PolicyRef) -> dict[str, str]:
-    """The Ray node each of the policy's workers runs on, by actor name."""
-    names = ref.actors
-    if ref.local:
-        return dict.fromkeys(names, "local")
-    handles = [ray.get_actor(name, namespace=NAMESPACE) for name in names]
-    places = ray.get([h.where.remote() for h in handles])
-    return {name: node for name, (node, _) in zip(names, places, strict=True)}
+    return ref.sampler_worker(index)
 
 
 def trainer(ref: PolicyRef) -> _Proxy:
-    return _worker(ref.trainer, ref.local, role="trainer")
+    return ref.trainer_worker()
+
+
+def sampler_weights_version(ref: PolicyRef) -> int:
+    return ref.weights_version()
+
+
+def worker_nodes(ref: PolicyRef) -> dict[str, str]:
+    return ref.nodes()
+
+
+def sync_weights(ref: PolicyRef) -> int:
+    """Copy the trainer's weights into every sampler; returns the synced weights version."""
+    return ref.sync()
+
+
+def stop_policy(ref: PolicyRef, timeout_s: float = 30.0) -> None:
+    ref.stop(timeout_s)
 
 
 def start_policy(
@@ -259,57 +231,26 @@ def start_policy(
     colocate: bool = False,
 ) -> PolicyRef:
     """Start ``samplers`` samplers and a trainer for one policy and wait until all hold their
-    weights. Several samplers are spread over the cluster's nodes (Ray's ``SPREAD``). The
-    trainer runs ``trainer_threads`` torch threads (default: ``spec.torch_threads``, as the
-    samplers); Ray still counts it as ``resources.num_cpus``. With ``colocate`` (one sampler,
-    Ray workers) the sampler and the trainer are one actor, ``<name>-policy``
-    (``ColocatedWorker``), asking the cluster for ``resources`` once."""
+    weights, in the placement these choose (``LocalPolicy`` with ``local``; else
+    ``ColocatedPolicy`` with ``colocate`` and one sampler; else ``SplitPolicy``). The trainer
+    runs ``trainer_threads`` torch threads (default: ``spec.torch_threads``, as the samplers);
+    Ray still counts it as ``resources.num_cpus``."""
     paths = {
         "sampler": _pick(SAMPLER_BACKENDS, sampler_backend, "sampler"),
         "trainer": _pick(TRAINER_BACKENDS, trainer_backend, "trainer"),
     }
     specs = _role_specs(spec, trainer_threads)
+    if local:
+        return LocalPolicy.start(name, paths, specs, samplers)
     options = {
         "namespace": NAMESPACE,
         "num_cpus": resources.num_cpus,
         "num_gpus": resources.num_gpus,
         "max_concurrency": 1,
     }
-    if colocate and samplers == 1 and not local:
-        ref = PolicyRef(samplers=(f"{name}-policy",), trainer=f"{name}-policy", colocated=True)
-        threads = max(s.torch_threads for s in specs.values())
-        env = worker_environment() | _threads_environment(threads)
-        handle = (
-            ray.remote(ColocatedWorker)
-            .options(name=ref.trainer, runtime_env={"env_vars": env}, **options)
-            .remote(paths, specs)
-        )
-        ray.get(handle.__ray_ready__.remote())
-        _OWNED_ACTORS[ref.trainer] = handle
-        return ref
-    names = tuple(f"{name}-sampler" + (f"-{i}" if i else "") for i in range(samplers))
-    ref = PolicyRef(samplers=names, trainer=f"{name}-trainer", local=local)
-    workers = [*((SamplerWorker, "sampler", n) for n in names)]
-    workers.append((TrainerWorker, "trainer", ref.trainer))
-    if local:
-        _LOCAL_WORKERS.update({n: backend_class(paths[r])(specs[r]) for _, r, n in workers})
-        return ref
-    handles = {
-        actor_name: ray.remote(cls)
-        .options(
-            name=actor_name,
-            scheduling_strategy="SPREAD" if cls is SamplerWorker and samplers > 1 else "DEFAULT",
-            runtime_env={
-                "env_vars": worker_environment() | _threads_environment(specs[role].torch_threads)
-            },
-            **options,
-        )
-        .remote(paths[role], specs[role])
-        for cls, role, actor_name in workers
-    }
-    ray.get([h.__ray_ready__.remote() for h in handles.values()])
-    _OWNED_ACTORS.update(handles)
-    return ref
+    if colocate and samplers == 1:
+        return ColocatedPolicy.start(name, paths, specs, options)
+    return SplitPolicy.start(name, paths, specs, options, samplers)
 
 
 def _role_specs(spec: WorkerSpec, trainer_threads: int | None) -> dict[str, WorkerSpec]:
@@ -323,16 +264,7 @@ def restart_policy(ref: PolicyRef, spec: WorkerSpec, trainer_threads: int | None
     it has (``start_policy``'s specs); the workers hold the new weights when it returns. False
     when a backend cannot restart (``restartable``): then the caller stops the policy and
     starts a new one (a worker that did restart holds the new spec, unused)."""
-    specs = _role_specs(spec, trainer_threads)
-    roles = {**dict.fromkeys(ref.samplers, "sampler"), ref.trainer: "trainer"}
-    if ref.local:
-        return all(
-            _rebuild(_LOCAL_WORKERS, n, type(_LOCAL_WORKERS[n]), specs[r]) for n, r in roles.items()
-        )
-    if ref.colocated:
-        return ray.get(ray.get_actor(ref.trainer, namespace=NAMESPACE).restart.remote(specs))
-    handles = {n: ray.get_actor(n, namespace=NAMESPACE) for n in roles}
-    return all(ray.get([handles[n].restart.remote(specs[r]) for n, r in roles.items()]))
+    return ref.restart(_role_specs(spec, trainer_threads))
 
 
 def _rebuild(holder: dict[str, Any], key: str, cls: type, spec: WorkerSpec) -> bool:
@@ -346,37 +278,17 @@ def _rebuild(holder: dict[str, Any], key: str, cls: type, spec: WorkerSpec) -> b
     return True
 
 
+def _worker_env(threads: int) -> dict[str, str]:
+    """A worker's environment: the job's settings (``worker_environment``) and its threads."""
+    return worker_environment() | _threads_environment(threads)
+
+
 def _threads_environment(threads: int) -> dict[str, str]:
     """torch's threads for a worker. Idle OpenMP threads sleep at once (``PASSIVE``) rather
     than spin: a trainer with more threads than the cores its sampler leaves free would
     otherwise burn the sampler's core waiting (one-step-off on 2 cores, the benchmark's large
     size, ``trainer_threads: 2``: 1.37 s a step spinning, 1.14 s sleeping)."""
     return {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
-
-
-def stop_policy(ref: PolicyRef, timeout_s: float = 30.0) -> None:
-    """Release the workers (idempotent). Workers on this machine are waited for until their
-    processes have exited, so a policy started next (the job's, after its warm-up's) never
-    shares the machine's memory with them."""
-    handles = []
-    for name in ref.actors:
-        if ref.local:
-            _LOCAL_WORKERS.pop(name, None)
-            continue
-        handle = _OWNED_ACTORS.pop(name, None)  # dropping the last handle would let Ray end it
-        try:
-            handles.append(handle or ray.get_actor(name, namespace=NAMESPACE))
-        except ValueError:
-            pass  # already gone
-    if not handles:  # local workers, or gone already (no Ray call: it would start a Ray)
-        return
-    try:
-        places = ray.get([h.where.remote() for h in handles], timeout=5)
-    except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
-        places = []  # a dead or hung worker: nothing to wait for
-    for handle in handles:
-        ray.kill(handle)
-    _wait_exited(places, timeout_s)
 
 
 def _wait_exited(places: list[tuple[str, int]], timeout_s: float) -> None:
@@ -406,19 +318,205 @@ def _running(pid: int) -> bool:
         return False
 
 
-def sync_weights(ref: PolicyRef) -> int:
-    """Copy the trainer's weights into every sampler; returns the synced weights version."""
-    if ref.local:
-        weights = _LOCAL_WORKERS[ref.trainer].get_weights()
-        return min(_LOCAL_WORKERS[name].set_weights(weights) for name in ref.samplers)
-    if ref.colocated:  # a copy inside the one process
-        return ray.get(ray.get_actor(ref.trainer, namespace=NAMESPACE).sync.remote())
-    trainer_handle = ray.get_actor(ref.trainer, namespace=NAMESPACE)
-    # The weights travel trainer -> object store -> samplers (one copy in the store, fetched
-    # by each sampler's node), never through this process.
-    weights = trainer_handle.call.remote("get_weights")
-    handles = [ray.get_actor(name, namespace=NAMESPACE) for name in ref.samplers]
-    return min(ray.get([h.call.remote("set_weights", weights) for h in handles]))
+@dataclass(frozen=True)
+class PolicyRef:
+    """Where one policy's workers are, and what can be done with them: its placement. Small
+    and picklable (actor names), passed to tasks. Every sampler holds the same weights: a
+    weight sync reaches them all.
+
+    Three placements implement it, each owning its workers: ``SplitPolicy`` (samplers and a
+    trainer, each a Ray actor), ``ColocatedPolicy`` (one actor is the only sampler and the
+    trainer; a sync is a copy inside its process) and ``LocalPolicy`` (in this process, without
+    Ray). ``start_policy`` picks one; nothing else branches on where the workers are."""
+
+    samplers: tuple[str, ...]
+    trainer: str
+
+    local = False
+    """The workers run in this process (its samplers share torch's global RNG)."""
+    colocated = False
+
+    @property
+    def actors(self) -> tuple[str, ...]:
+        """Each worker's name once."""
+        return tuple(dict.fromkeys((*self.samplers, self.trainer)))
+
+    @property
+    def sampler(self) -> str:
+        """The first sampler's name (the only one unless ``resources.samplers`` > 1)."""
+        return self.samplers[0]
+
+    def sampler_worker(self, index: int = 0) -> _Proxy:
+        """Sampler ``index`` (``len(self.samplers)`` of them)."""
+        return _Proxy(ray.get_actor(self.samplers[index], namespace=NAMESPACE), True, "sampler")
+
+    def trainer_worker(self) -> _Proxy:
+        return _Proxy(ray.get_actor(self.trainer, namespace=NAMESPACE), True, "trainer")
+
+    def weights_version(self) -> int:
+        """The weights version every sampler holds (they are synced together; a disagreement
+        is a bug in the pipeline and raises)."""
+        versions = {
+            i: self.sampler_worker(i).get_weights_version() for i in range(len(self.samplers))
+        }
+        if len(set(versions.values())) > 1:
+            named = {self.samplers[i]: v for i, v in versions.items()}
+            raise RuntimeError(f"the policy's samplers hold different weights: {named}")
+        return next(iter(versions.values()))
+
+    def nodes(self) -> dict[str, str]:
+        """The Ray node each worker runs on, by actor name."""
+        handles = [ray.get_actor(name, namespace=NAMESPACE) for name in self.actors]
+        places = ray.get([h.where.remote() for h in handles])
+        return {name: node for name, (node, _) in zip(self.actors, places, strict=True)}
+
+    def sync(self) -> int:
+        """Copy the trainer's weights into every sampler; the synced weights version."""
+        raise NotImplementedError
+
+    def restart(self, specs: dict[str, WorkerSpec]) -> bool:
+        """Build every worker again from ``specs`` (by role) in the processes it has; False
+        when a backend cannot restart (``restartable``)."""
+        raise NotImplementedError
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Release the workers (idempotent). Workers on this machine are waited for until
+        their processes have exited, so a policy started next (the job's, after its warm-up's)
+        never shares the machine's memory with them."""
+        handles = []
+        for name in self.actors:
+            handle = _OWNED_ACTORS.pop(name, None)  # dropping the last handle lets Ray end it
+            try:
+                handles.append(handle or ray.get_actor(name, namespace=NAMESPACE))
+            except ValueError:
+                pass  # already gone
+        if not handles:  # gone already (no Ray call: it would start a Ray)
+            return
+        try:
+            places = ray.get([h.where.remote() for h in handles], timeout=5)
+        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            places = []  # a dead or hung worker: nothing to wait for
+        for handle in handles:
+            ray.kill(handle)
+        _wait_exited(places, timeout_s)
+
+
+@dataclass(frozen=True)
+class SplitPolicy(PolicyRef):
+    """Samplers and a trainer, each its own Ray actor (several samplers spread over nodes)."""
+
+    @classmethod
+    def start(
+        cls,
+        name: str,
+        paths: dict[str, str],
+        specs: dict[str, WorkerSpec],
+        options: dict,
+        samplers: int,
+    ) -> SplitPolicy:
+        names = tuple(f"{name}-sampler" + (f"-{i}" if i else "") for i in range(samplers))
+        ref = cls(samplers=names, trainer=f"{name}-trainer")
+        workers = [
+            *((SamplerWorker, "sampler", n) for n in names),
+            (TrainerWorker, "trainer", ref.trainer),
+        ]
+        handles = {
+            actor_name: ray.remote(worker)
+            .options(
+                name=actor_name,
+                scheduling_strategy="SPREAD"
+                if worker is SamplerWorker and samplers > 1
+                else "DEFAULT",
+                runtime_env={"env_vars": _worker_env(specs[role].torch_threads)},
+                **options,
+            )
+            .remote(paths[role], specs[role])
+            for worker, role, actor_name in workers
+        }
+        ray.get([h.__ray_ready__.remote() for h in handles.values()])
+        _OWNED_ACTORS.update(handles)
+        return ref
+
+    def sync(self) -> int:
+        # The weights travel trainer -> object store -> samplers (one copy in the store,
+        # fetched by each sampler's node), never through this process.
+        weights = ray.get_actor(self.trainer, namespace=NAMESPACE).call.remote("get_weights")
+        handles = [ray.get_actor(name, namespace=NAMESPACE) for name in self.samplers]
+        return min(ray.get([h.call.remote("set_weights", weights) for h in handles]))
+
+    def restart(self, specs: dict[str, WorkerSpec]) -> bool:
+        roles = {**dict.fromkeys(self.samplers, "sampler"), self.trainer: "trainer"}
+        handles = {n: ray.get_actor(n, namespace=NAMESPACE) for n in roles}
+        return all(ray.get([handles[n].restart.remote(specs[r]) for n, r in roles.items()]))
+
+
+@dataclass(frozen=True)
+class ColocatedPolicy(PolicyRef):
+    """One actor (``ColocatedWorker``, ``<name>-policy``) is the sampler and the trainer,
+    asking the cluster for the policy's resources once; a sync is a copy inside it."""
+
+    colocated = True
+
+    @classmethod
+    def start(
+        cls, name: str, paths: dict[str, str], specs: dict[str, WorkerSpec], options: dict
+    ) -> ColocatedPolicy:
+        ref = cls(samplers=(f"{name}-policy",), trainer=f"{name}-policy")
+        threads = max(s.torch_threads for s in specs.values())
+        handle = (
+            ray.remote(ColocatedWorker)
+            .options(name=ref.trainer, runtime_env={"env_vars": _worker_env(threads)}, **options)
+            .remote(paths, specs)
+        )
+        ray.get(handle.__ray_ready__.remote())
+        _OWNED_ACTORS[ref.trainer] = handle
+        return ref
+
+    def sync(self) -> int:
+        return ray.get(ray.get_actor(self.trainer, namespace=NAMESPACE).sync.remote())
+
+    def restart(self, specs: dict[str, WorkerSpec]) -> bool:
+        return ray.get(ray.get_actor(self.trainer, namespace=NAMESPACE).restart.remote(specs))
+
+
+@dataclass(frozen=True)
+class LocalPolicy(PolicyRef):
+    """The workers as objects in this process, without Ray (benchmarks, notebooks, tests)."""
+
+    local = True
+
+    @classmethod
+    def start(
+        cls, name: str, paths: dict[str, str], specs: dict[str, WorkerSpec], samplers: int
+    ) -> LocalPolicy:
+        names = tuple(f"{name}-sampler" + (f"-{i}" if i else "") for i in range(samplers))
+        ref = cls(samplers=names, trainer=f"{name}-trainer")
+        roles = {**dict.fromkeys(names, "sampler"), ref.trainer: "trainer"}
+        _LOCAL_WORKERS.update({n: backend_class(paths[r])(specs[r]) for n, r in roles.items()})
+        return ref
+
+    def sampler_worker(self, index: int = 0) -> _Proxy:
+        return _Proxy(_LOCAL_WORKERS[self.samplers[index]], False, "sampler")
+
+    def trainer_worker(self) -> _Proxy:
+        return _Proxy(_LOCAL_WORKERS[self.trainer], False, "trainer")
+
+    def nodes(self) -> dict[str, str]:
+        return dict.fromkeys(self.actors, "local")
+
+    def sync(self) -> int:
+        weights = _LOCAL_WORKERS[self.trainer].get_weights()
+        return min(_LOCAL_WORKERS[name].set_weights(weights) for name in self.samplers)
+
+    def restart(self, specs: dict[str, WorkerSpec]) -> bool:
+        roles = {**dict.fromkeys(self.samplers, "sampler"), self.trainer: "trainer"}
+        return all(
+            _rebuild(_LOCAL_WORKERS, n, type(_LOCAL_WORKERS[n]), specs[r]) for n, r in roles.items()
+        )
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        for name in self.actors:
+            _LOCAL_WORKERS.pop(name, None)
 
 
 def run_on_ray(fn: Callable[..., Any], *args: Any) -> Any:

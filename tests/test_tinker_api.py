@@ -454,3 +454,21 @@ def test_saved_states_load_after_a_killed_service(home: Path, tokenizer, tmp_pat
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(20)
+
+
+def test_the_service_starts_only_with_keys_or_on_loopback(tmp_path: Path, capsys) -> None:
+    """Without keys ``flowrl serve tinker`` refuses to start, and ``--insecure-loopback`` serves
+    loopback addresses only; keys come from a file (or FLOWRL_TINKER_KEYS) as namespace:key."""
+    from flowrl.backends.tinker_service import read_keys
+    from flowrl.cli import main
+
+    assert main(["serve", "tinker"]) == 2
+    assert "no keys" in capsys.readouterr().err
+    assert main(["serve", "tinker", "--insecure-loopback", "--host", "0.0.0.0"]) == 2
+    assert "loopback addresses only" in capsys.readouterr().err
+    keys = tmp_path / "keys"
+    keys.write_text(f"alice:{ALICE}\nbob:{BOB}\n")
+    assert read_keys(str(keys)) == {ALICE: "alice", BOB: "bob"}
+    keys.write_text("alice:not-a-tinker-key-0000000000\n")
+    with pytest.raises(SystemExit, match="tml-"):
+        read_keys(str(keys))
