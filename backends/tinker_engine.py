@@ -30,6 +30,9 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import secrets
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -58,38 +61,132 @@ LORA_ALPHA = 32
 """LoRA scale numerator (Tinker's documented alpha); the update is ``alpha / rank * B @ A``."""
 
 
-class TinkerModel:
-    """A base model (frozen) and one trainable LoRA adapter with AdamW; snapshots of the
-    adapter for sampling; state saved to and loaded from bytes."""
+class SharedBase:
+    """A base model loaded once, frozen, and the LoRA adapters of its tenants (``TinkerModel``s,
+    PEFT adapters by name): one tenant's adapter is active at a time, under ``lock``. With
+    ``slots``, at most that many adapters are resident: a tenant that needs its adapter when the
+    slots are full parks the least recently used one (adapter, AdamW state, step count and RNG
+    as ``state_bytes`` writes them) and takes its place; the parked tenant is restored exactly
+    on its next call."""
 
-    def __init__(self, base_path: str, lora: LoraSpec, device: str = "cpu"):
+    def __init__(self, base_path: str, device: str = "cpu", slots: int | None = None):
         self.base_path = base_path
-        self.lora = lora
         self.device = torch.device(device)
-        base = load_causal_lm(base_path, torch.float32)
-        self.vocab_size = int(base.get_output_embeddings().weight.shape[0])
-        self.context_length = int(getattr(base.config, "max_position_embeddings", 0) or 0)
+        self.slots = slots
+        self.base = load_causal_lm(base_path, torch.float32).to(self.device)
+        self.modules = {n.rsplit(".", 1)[-1] for n, _ in self.base.named_modules()}
+        self.vocab_size = int(self.base.get_output_embeddings().weight.shape[0])
+        self.context_length = int(getattr(self.base.config, "max_position_embeddings", 0) or 0)
         self.tokenizer = load_tokenizer(base_path)
-        self.eos_ids = _eos_ids(base, self.tokenizer)
-        if lora.seed is not None:
-            torch.manual_seed(lora.seed)
+        self.eos_ids = _eos_ids(self.base, self.tokenizer)
+        self.peft: Any = None
+        self.lock = threading.RLock()
+        self.resident: OrderedDict[str, TinkerModel] = OrderedDict()  # least recently used first
+        self.evictions = 0
+
+    def add_adapter(self, name: str, lora: LoraSpec, seed: int) -> None:
         config = LoraConfig(
             r=lora.rank,
             lora_alpha=LORA_ALPHA,
             lora_dropout=0.0,
-            target_modules=lora.target_modules(
-                {n.rsplit(".", 1)[-1] for n, _ in base.named_modules()}
-            ),
+            target_modules=lora.target_modules(self.modules),
             task_type="CAUSAL_LM",
         )
-        self.model = get_peft_model(base, config).to(self.device)
-        self.model.eval()  # no dropout anywhere; gradients still flow into the adapter
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
+        with torch.random.fork_rng(devices=[]):  # the init depends on the seed alone
+            torch.manual_seed(seed)
+            if self.peft is None:
+                self.peft = get_peft_model(self.base, config, adapter_name=name).to(self.device)
+                self.peft.eval()  # no dropout anywhere; gradients still reach the adapter
+            else:
+                self.peft.add_adapter(name, config)
+                self.peft.to(self.device)
+
+    @contextlib.contextmanager
+    def use(self, tenant: TinkerModel) -> Iterator[Any]:
+        """The model with ``tenant``'s adapter resident and active, for one call."""
+        with self.lock:
+            if tenant.name not in self.resident:
+                while self.slots is not None and len(self.resident) >= self.slots:
+                    _, lru = self.resident.popitem(last=False)
+                    lru.park()
+                    self.evictions += 1
+                tenant.unpark()
+                self.resident[tenant.name] = tenant
+            self.resident.move_to_end(tenant.name)
+            self.peft.set_adapter(tenant.name)
+            yield self.peft
+
+    def leave(self, tenant: TinkerModel) -> None:
+        with self.lock:
+            if self.resident.pop(tenant.name, None) is not None:
+                self.peft.delete_adapter(tenant.name)
+
+
+class TinkerModel:
+    """One tenant of a base model: a trainable LoRA adapter with its own AdamW, step count and
+    sampling RNG, and snapshots of the adapter for sampling; state saved to and loaded from
+    bytes. ``base`` is a model folder (a base of its own) or a ``SharedBase`` that other
+    tenants use too (each with its own ``name``)."""
+
+    def __init__(
+        self, base: str | SharedBase, lora: LoraSpec, device: str = "cpu", name: str = "default"
+    ):
+        self.base = base if isinstance(base, SharedBase) else SharedBase(base, device)
+        self.lora = lora
+        self.name = name.replace(":", "_").replace(".", "_")
+        self.device = self.base.device
+        self.base_path = self.base.base_path
+        self.vocab_size = self.base.vocab_size
+        self.context_length = self.base.context_length
+        self.tokenizer = self.base.tokenizer
+        self.eos_ids = self.base.eos_ids
+        self.seed = lora.seed if lora.seed is not None else secrets.randbits(62)
         self.steps = 0
         self.snapshots: dict[str, dict[str, torch.Tensor]] = {}
         self.generator = torch.Generator(device=self.device)
-        self.generator.manual_seed(lora.seed or 0)
+        self.generator.manual_seed(self.seed)
+        self.parked: dict[str, Any] | None = None
+        self.params: list[torch.nn.Parameter] = []
+        self.optimizer: Any = None
+        with self.base.use(self):
+            pass
+
+    @property
+    def model(self) -> Any:
+        return self.base.peft
+
+    def unpark(self) -> None:
+        """Make the adapter resident: new (its seeded init), or exactly as it was parked."""
+        self.base.add_adapter(self.name, self.lora, self.seed)
+        self.base.peft.set_adapter(self.name)
+        self.params = [p for p in self.base.peft.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
+        if self.parked is not None:
+            parked, self.parked = self.parked, None
+            self._load(parked["files"], optimizer=True)
+            self.generator.set_state(parked["rng"])
+            for param, grad in zip(self.params, parked["grads"], strict=True):
+                param.grad = grad
+
+    def park(self) -> None:
+        """Keep the adapter, AdamW's state, the step count, the RNG and any accumulated
+        gradients, and free the adapter's slot (``unpark`` restores them bit for bit)."""
+        with self.base.lock:
+            self.base.peft.set_adapter(self.name)
+            grads = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+            self.parked = {
+                "files": self._files(True),
+                "rng": self.generator.get_state(),
+                "grads": grads,  # accumulated since the last optim_step: they stay too
+            }
+            self.base.peft.delete_adapter(self.name)
+            self.params, self.optimizer = [], None
+
+    def close(self) -> None:
+        """Leave the base (the adapter's slot is freed; snapshots dropped)."""
+        self.base.leave(self)
+        self.snapshots.clear()
+        self.parked = None
 
     # ----------------------------------------------------------------------- training
 
@@ -105,7 +202,7 @@ class TinkerModel:
         check_batch(data, loss_fn, config or {}, self.vocab_size)
         ids, mask, inputs = self._batch(data)
         context = torch.no_grad() if forward_only else contextlib.nullcontext()
-        with context:
+        with self.base.use(self), context:
             logits = self.model(input_ids=ids, attention_mask=mask).logits
             logp = token_logprobs(logits, inputs["target_tokens"].long()) * mask
             elementwise = _elementwise_loss(loss_fn, logp, inputs, config or {}, mask) * mask
@@ -153,6 +250,18 @@ class TinkerModel:
     ) -> dict[str, float]:
         """One AdamW step with the parameters as sent, on the gradients accumulated since the
         last step; then the gradients are cleared."""
+        with self.base.use(self):
+            return self._optim_step(learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm)
+
+    def _optim_step(
+        self,
+        learning_rate: float,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
+        grad_clip_norm: float,
+    ) -> dict[str, float]:
         for group in self.optimizer.param_groups:
             group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -172,12 +281,15 @@ class TinkerModel:
 
     def snapshot(self, key: str) -> None:
         """Keep the adapter's weights as they are now under ``key`` (a sampler's weights)."""
-        self.snapshots[key] = self.adapter_state()
+        with self.base.use(self):
+            self.snapshots[key] = self.adapter_state()
 
     def add_snapshot_bytes(self, key: str, data: bytes) -> None:
         """Keep a saved adapter (``adapter.safetensors``' bytes) under ``key`` for sampling."""
         state = adapter_from_bytes(data)
-        if set(state) != set(self.adapter_state()):
+        with self.base.use(self):
+            keys = set(self.adapter_state())
+        if set(state) != keys:
             raise TinkerInputError("the saved adapter does not fit this model")
         self.snapshots[key] = {k: v.to(self.device) for k, v in state.items()}
 
@@ -204,7 +316,7 @@ class TinkerModel:
         if params.seed is not None:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
-        with self._weights(weights):
+        with self.base.use(self), self._weights(weights):
             return self._generate(prompt, num_samples, params, generator, prompt_logprobs)
 
     @contextlib.contextmanager
@@ -219,11 +331,11 @@ class TinkerModel:
         if key not in self.snapshots:
             raise TinkerInputError(f"unknown sampler weights {key!r}")
         live = self.adapter_state()
-        set_peft_model_state_dict(self.model, self.snapshots[key])
+        set_peft_model_state_dict(self.model, self.snapshots[key], adapter_name=self.name)
         try:
             yield
         finally:
-            set_peft_model_state_dict(self.model, live)
+            set_peft_model_state_dict(self.model, live, adapter_name=self.name)
 
     def _generate(
         self,
@@ -271,14 +383,19 @@ class TinkerModel:
     # ----------------------------------------------------------------------- state
 
     def adapter_state(self) -> dict[str, torch.Tensor]:
-        return {
-            k: v.detach().clone()
-            for k, v in get_peft_model_state_dict(self.model, save_embedding_layers=False).items()
-        }
+        """The adapter's weights (detached copies; keys without the adapter's name)."""
+        state = get_peft_model_state_dict(
+            self.model, adapter_name=self.name, save_embedding_layers=False
+        )
+        return {k: v.detach().clone() for k, v in state.items()}
 
     def state_bytes(self, optimizer: bool) -> dict[str, bytes]:
         """The adapter (safetensors) and, with ``optimizer``, AdamW's state (torch, tensors
         only): what ``save_state`` writes."""
+        with self.base.use(self):
+            return self._files(optimizer)
+
+    def _files(self, optimizer: bool) -> dict[str, bytes]:
         cpu = {k: v.cpu().contiguous() for k, v in self.adapter_state().items()}
         files = {"adapter.safetensors": save_safetensors(cpu)}
         if optimizer:
@@ -290,10 +407,13 @@ class TinkerModel:
     def load_state_bytes(self, files: dict[str, bytes], optimizer: bool) -> None:
         """Load ``state_bytes``' files: the adapter, and AdamW's state when ``optimizer`` (else
         the optimizer starts afresh)."""
+        with self.base.use(self):
+            self._load(files, optimizer)
+
+    def _load(self, files: dict[str, bytes], optimizer: bool) -> None:
         state = adapter_from_bytes(files["adapter.safetensors"])
-        result = set_peft_model_state_dict(
-            self.model, {k: v.to(self.device) for k, v in state.items()}
-        )
+        state = {k: v.to(self.device) for k, v in state.items()}
+        result = set_peft_model_state_dict(self.model, state, adapter_name=self.name)
         if getattr(result, "unexpected_keys", None):
             raise TinkerInputError("the checkpoint's adapter does not fit this model")
         self.optimizer.zero_grad(set_to_none=True)

@@ -192,20 +192,40 @@ class LocalHandle:
         return getattr(self.model, method)(*args, **kwargs)
 
     def close(self) -> None:
-        self.model = None
+        if self.model is not None:
+            self.model.close()  # its adapter leaves the shared base
+            self.model = None
 
 
 class LocalPlacement:
-    """Models in this process (development, tests, the service's own samplers)."""
+    """Models in this process (development, tests, the service's own samplers). Every model of
+    one base model is a tenant of one ``SharedBase``: the base weights are loaded once, each
+    model holds only its LoRA adapter, AdamW state and RNG; with ``adapter_slots`` at most that
+    many adapters are resident, the least recently used parked and restored exactly."""
 
-    def __init__(self, cache_dir: str | None = None):
+    in_process = True
+
+    def __init__(self, cache_dir: str | None = None, adapter_slots: int | None = None):
         self.cache_dir = cache_dir or get_settings().model_cache_dir
+        self.adapter_slots = adapter_slots
+        self.bases: dict[str, Any] = {}
+        self.lock = threading.Lock()
+
+    def base(self, uri: str) -> Any:
+        """The shared base of a catalogue URI (loaded on first use)."""
+        from flowrl.backends.tinker_engine import SharedBase
+
+        path = resolve_base_model(uri, self.cache_dir)
+        with self.lock:
+            if path not in self.bases:
+                self.bases[path] = SharedBase(path, slots=self.adapter_slots)
+            return self.bases[path]
 
     def start(self, spec: dict[str, Any]) -> ModelHandle:
         from flowrl.backends.tinker_engine import TinkerModel
 
-        path = resolve_base_model(spec["base_uri"], self.cache_dir)
-        return LocalHandle(TinkerModel(path, LoraSpec(**spec["lora"])))
+        lora = LoraSpec(**spec["lora"])
+        return LocalHandle(TinkerModel(self.base(spec["base_uri"]), lora, name=spec["model_id"]))
 
 
 def resolve_base_model(uri: str, cache_dir: str) -> str:
@@ -296,7 +316,10 @@ class TinkerService:
     ):
         settings = get_settings()
         self.placement = placement
-        self.sampler_placement = sampler_placement or LocalPlacement()
+        if sampler_placement is None:  # in this process; sharing the models' bases if they are
+            in_process = getattr(placement, "in_process", False)
+            sampler_placement = placement if in_process else LocalPlacement()
+        self.sampler_placement = sampler_placement
         self.catalogue = dict(catalogue if catalogue is not None else settings.tinker_models)
         self.keys = {_digest(k): ns for k, ns in (keys or {}).items()}
         self.storage = Storage(storage_url or settings.storage_root)

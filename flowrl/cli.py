@@ -90,6 +90,14 @@ def _add_tinker_commands(sub) -> None:
         "its models are unloaded, their slots freed, its saved states kept.",
     )
     api.add_argument("--max-body-bytes", type=int, default=64 * 2**20, help="Largest request.")
+    api.add_argument(
+        "--adapter-slots",
+        type=int,
+        default=None,
+        metavar="N",
+        help="local placement: LoRA adapters resident on one base model at once (default: no "
+        "limit); beyond it the least recently used model is parked and restored exactly.",
+    )
     tinker = sub.add_parser("tinker", help="Base models of the Tinker API, for thin clients.")
     tsub = tinker.add_subparsers(dest="action", required=True)
     tsub.add_parser("models", help="List the catalogue: name and URI.")
@@ -259,7 +267,7 @@ def _tinker(args) -> int:
         else:
             from flowrl.backends.tinker_service import LocalPlacement
 
-            placement = LocalPlacement()
+            placement = LocalPlacement(adapter_slots=args.adapter_slots)
         print(f"Tinker API on http://{args.host}:{args.port} ({args.placement})", flush=True)
         serve(args, placement)
         return 0

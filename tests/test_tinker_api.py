@@ -143,6 +143,9 @@ def test_save_state_then_resume_with_optimizer_is_exact(server: Server, tokenize
     fourth.forward_backward(data, "cross_entropy")
     fourth.optim_step(adam).result()
     assert abs(fourth.forward(data, "cross_entropy").result().metrics["loss:sum"] - a) <= 1e-5
+    # Five training models of one base model, all on one copy of its weights (LocalPlacement).
+    (shared,) = server.service.placement.bases.values()
+    assert len(shared.resident) >= 4
     other_shape = client.create_lora_training_client(BASE, rank=4, seed=9).result()
     with pytest.raises(tinker.BadRequestError, match="another base model or LoRA shape"):
         other_shape.load_state(path).result()
