@@ -507,7 +507,11 @@ class TinkerService:
         }
 
         def start() -> dict:
-            model.handle = self.placement.start(spec)
+            try:
+                model.handle = self.placement.start(spec)
+            except BaseException as e:
+                model.ended = f"it did not start: {type(e).__name__}: {e}"[:500]  # slot freed
+                raise
             return {"model_id": model_id, "type": "create_model"}
 
         model.start = start

@@ -475,3 +475,24 @@ def test_the_service_starts_only_with_keys_or_on_loopback(tmp_path: Path, capsys
     keys.write_text("alice:not-a-tinker-key-0000000000\n")
     with pytest.raises(SystemExit, match="tml-"):
         read_keys(str(keys))
+
+
+def test_a_base_model_that_does_not_load_fails_its_request_not_the_server(home: Path) -> None:
+    """A catalogue entry whose folder is gone: ``create_lora_training_client`` fails with the
+    loader's message, the model leaves no slot taken, and the server serves on."""
+    catalogue = {"gone": str(home / "no-such-model"), BASE: "tiny"}
+    service = TinkerService(
+        LocalPlacement(),
+        catalogue=catalogue,
+        keys={ALICE: "alice"},
+        limits=Limits(max_models_per_namespace=1),
+    )
+    srv = Server(service)
+    try:
+        client = srv.client()
+        with pytest.raises(tinker.RequestFailedError, match="no model folder"):
+            client.create_lora_training_client("gone", rank=4).result()
+        assert client.create_lora_training_client(BASE, rank=4, seed=0).result().get_info()
+    finally:
+        srv.close_clients()
+        srv.stop()
