@@ -72,7 +72,8 @@ def child(size: str, setup: str, home: str) -> dict:
             tenant.forward_backward(data, "cross_entropy")
             tenant.optim_step(learning_rate=1e-3)
     seconds = time.perf_counter() - began
-    params = sum(p.numel() for p in (shared or tenants[0].base).base.parameters())
+    base = (shared or tenants[0].base).base
+    params = sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n)
     return {
         "params": params,
         "pss_joined_mb": (joined_pss - start_pss) / 2**20,
@@ -131,6 +132,18 @@ def main() -> None:
             f"apart; throughput {s['datums_per_s'] / a['datums_per_s']:.2f}×; the 4th tenant "
             f"ready in {s['join_fourth_ms']:.0f} ms against {a['join_fourth_ms']:.0f} ms"
         )
+    lines += [
+        "",
+        "What this shows, and what it does not: in one process, four bases loaded from the same "
+        "safetensors file cost little more memory than one, because the weights are memory-mapped "
+        "and never written (the page cache holds them once; PSS counts them once) — so on CPU the "
+        "shared base saves the per-tenant load and join time, not the weights' memory. The memory "
+        "a shared worker saves is per process (a torch runtime and a Ray worker per job: "
+        "`docs/benchmarks/footprint.md`) and, on GPUs, the device copy of the base per process; "
+        "both need the rl-train jobs' half of this benchmark (one worker across flow runs), "
+        "which is not built yet. Throughput: switching the active adapter on every call "
+        "(`set_adapter`) costs a fixed time per call, visible at the tiny size only.",
+    ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:

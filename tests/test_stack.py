@@ -435,17 +435,6 @@ def test_a_killed_job_gives_its_gpu_slots_back(stack_env, probe_deployment):
     assert jobs.wait(after, timeout=180).state == "COMPLETED"
 
 
-def test_stack_down_stops_every_process(local_stack, monkeypatch):
-    from flowrl.infra import stack
-
-    monkeypatch.setenv("FLOWRL_HOME", local_stack.env["FLOWRL_HOME"])
-    assert stack.stack_down() == list(stack.STOP_ORDER)
-    for comp in local_stack.components.values():
-        assert not stack._alive(comp.pid)
-    assert not stack.state_file().exists()
-    assert stack.read_pointer() != stack.state_file()  # no pointer left to the stopped stack
-
-
 # ------------------------------------------------------------------ Tinker API sessions
 
 
@@ -553,3 +542,14 @@ def test_tinker_sessions_are_flow_runs_holding_gpu_slots(tinker_sessions, stack_
     assert _gpu_slots_in_use() == 0
     gone = post("get_info", {"model_id": future["model_id"]})
     assert gone.status_code == 410 and "no heartbeat" in gone.json()["detail"]
+
+
+def test_stack_down_stops_every_process(local_stack, monkeypatch):
+    from flowrl.infra import stack
+
+    monkeypatch.setenv("FLOWRL_HOME", local_stack.env["FLOWRL_HOME"])
+    assert stack.stack_down() == list(stack.STOP_ORDER)
+    for comp in local_stack.components.values():
+        assert not stack._alive(comp.pid)
+    assert not stack.state_file().exists()
+    assert stack.read_pointer() != stack.state_file()  # no pointer left to the stopped stack
