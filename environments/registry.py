@@ -1,7 +1,10 @@
 """Environments by name: one loading path for flowrl's own environments and the user's.
 
-``env.name`` takes three forms:
+``env.name`` takes these forms:
 
+- ``reasoning_gym:<dataset>`` — a dataset of reasoning-gym (the ``envs`` extra), any name of
+  its own registry, or ``reasoning_gym:composite`` for several with weights
+  (``environments.reasoning_gym``); the library is imported only when such a name is used;
 - ``package.module:Attribute`` — imported from the job's Python path;
 - the name of an entry point in the group ``flowrl.environments`` of any installed package
   (flowrl's built-ins ``arithmetic``, ``tool_math``, ``gomoku`` and ``geometry`` are declared
@@ -44,6 +47,8 @@ ENTRY_POINT_GROUP = "flowrl.environments"
 CONTRACT = ("reset", "step", "get_system_prompt", "get_initial_user_message")
 """The methods every environment has (``environments.types.Environment``)."""
 TASK_METHODS = ("make_env", "train_source", "eval_set", "sft_example")
+REASONING_GYM_PREFIX = "reasoning_gym:"
+"""``env.name`` prefix of reasoning-gym's datasets (``environments.reasoning_gym``)."""
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
@@ -79,7 +84,9 @@ def load(name: str) -> Loaded:
     """
     if not isinstance(name, str) or not name.strip():
         raise EnvironmentLoadError(f"environment name must be a non-empty string, got {name!r}")
-    if ":" in name:
+    if name.startswith(REASONING_GYM_PREFIX):
+        target = _reasoning_gym_task(name)
+    elif ":" in name:
         target = _import_attribute(name)
     else:
         matches = list(entry_points(group=ENTRY_POINT_GROUP, name=name))
@@ -100,6 +107,19 @@ def load(name: str) -> Loaded:
         _check_game_contract(name, target)
         return Loaded(name, target, is_task_config=False, is_game=True)
     return Loaded(name, target, _check_target(name, target))
+
+
+def _reasoning_gym_task(name: str) -> Any:
+    """The task config class of ``reasoning_gym:<dataset>``; reasoning-gym is imported here."""
+    from flowrl.environments import reasoning_gym
+
+    dataset = name[len(REASONING_GYM_PREFIX) :]
+    try:
+        return reasoning_gym.task_class(dataset)
+    except reasoning_gym.ReasoningGymMissing as exc:
+        raise EnvironmentLoadError(f"environment {name!r}: {exc}") from None
+    except ValueError as exc:
+        raise EnvironmentLoadError(f"environment {name!r}: {exc}") from None
 
 
 def _import_attribute(name: str) -> Any:

@@ -95,7 +95,8 @@ class EnvSection(_Section, title="Environment"):
     name: str = Field(
         default="arithmetic",
         description="An installed environment's name (entry point group flowrl.environments: "
-        "arithmetic, tool_math, gomoku, geometry, or a package's own) or package.module:Class.",
+        "arithmetic, tool_math, gomoku, geometry, or a package's own), package.module:Class, "
+        "or reasoning_gym:<dataset> (the envs extra; env.params = the dataset's config).",
     )
     params: dict[str, Any] = Field(
         default_factory=dict,
