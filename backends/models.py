@@ -357,6 +357,14 @@ def _cache_slot(cache_dir: Path, key: str) -> Path:
     return cache_dir / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
+def tiny_model_key(spec: TinyModelSpec) -> str:
+    """The cache key of a tiny model's shape (a text model's leaves its disabled vision section
+    out): the same for a job's model and the Tinker API's ``tiny``, so both use one build."""
+    shape = spec.model_dump(exclude=None if spec.vision.enabled else {"vision"})
+    blob = json.dumps([shape], sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:12]
+
+
 def tiny_model_slot(cache_dir: str, key: str) -> Path:
     """Where ``cached_tiny_model`` keeps the tiny model whose spec hashes to ``key``."""
     return Path(cache_dir) / f"tiny-{key}"

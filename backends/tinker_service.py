@@ -134,13 +134,17 @@ def read_keys(path: str | None = None) -> dict[str, str | None]:
     return keys
 
 
+def tinker_prefix(namespace: str | None) -> str:
+    """A namespace's Tinker runs in storage: ``ns/<namespace>/tinker`` (``tinker`` without)."""
+    return f"ns/{namespace}/tinker" if namespace else "tinker"
+
+
 def run_folder(namespace: str | None, run_id: str) -> str:
     """A training run's storage folder: ``[ns/<namespace>/]tinker/<session>-train-<n>``."""
     match = RUN_PATTERN.match(run_id)
     if not match:
         raise not_found(f"no training run {run_id[:80]!r}")
-    prefix = f"ns/{namespace}/tinker" if namespace else "tinker"
-    return f"{prefix}/{match[1]}-train-{match[2]}"
+    return f"{tinker_prefix(namespace)}/{match[1]}-train-{match[2]}"
 
 
 def checkpoint_folder(storage: Storage, namespace: str | None, path: Any) -> tuple[str, str, str]:
@@ -235,15 +239,13 @@ def resolve_base_model(uri: str, cache_dir: str) -> str:
         TinyModelSpec,
         build_tiny_model_once,
         resolve_model_uri,
+        tiny_model_key,
         tiny_model_slot,
     )
 
-    if uri == "tiny":
+    if uri == "tiny":  # the build a job of the default tiny model uses too
         spec = TinyModelSpec()
-        key = hashlib.sha256(
-            json.dumps(spec.model_dump(exclude={"vision"}), sort_keys=True).encode()
-        ).hexdigest()[:16]
-        return str(build_tiny_model_once(spec, tiny_model_slot(cache_dir, f"tinker-{key}")))
+        return str(build_tiny_model_once(spec, tiny_model_slot(cache_dir, tiny_model_key(spec))))
     return resolve_model_uri(uri, cache_dir)
 
 
@@ -287,6 +289,7 @@ class _Sampler:
     model_path: str | None
     model_id: str | None  # the live training model whose worker samples, else a pool model
     weights: str | None  # the snapshot key on that model; None: the base model alone
+    pool: _Model | None = None  # the model that serves a saved path (set when it is loaded)
     clients: int = 0
 
 
@@ -350,7 +353,7 @@ class TinkerService:
         raise ServiceError(401, "unknown API key")
 
     def prefix(self, namespace: str | None) -> str:
-        return f"ns/{namespace}/tinker" if namespace else "tinker"
+        return tinker_prefix(namespace)
 
     def run_dir(self, namespace: str | None, run_id: str) -> str:
         return run_folder(namespace, run_id)
@@ -682,14 +685,13 @@ class TinkerService:
             path,
             target.model_id if target is live else None,
             path,
+            pool=target,
         )
-        sampler.pool = target  # type: ignore[attr-defined]
         return self.add_sampler(namespace, session, sampler)
 
     def sampler_target(self, sampler: _Sampler) -> _Model:
-        pool = getattr(sampler, "pool", None)
-        if pool is not None:
-            return pool
+        if sampler.pool is not None:
+            return sampler.pool
         if sampler.model_id is not None:
             return self.model(sampler.namespace, sampler.model_id)
         return self.sampler_pool_model(sampler.base_model, LoraSpec(rank=1))
@@ -984,8 +986,7 @@ def create_app(service: TinkerService) -> FastAPI:
         if model.handle is not None:
             check_batch(call.data, call.loss_fn, call.config, model.handle.info["vocab_size"])
 
-        def work(handle: ModelHandle) -> bytes:
-            check_batch(call.data, call.loss_fn, call.config, handle.info["vocab_size"])
+        def work(handle: ModelHandle) -> bytes:  # the model checks the batch again, once up
             out = handle.call(
                 "forward_backward", call.data, call.loss_fn, call.config, call.forward_only
             )
@@ -1185,8 +1186,7 @@ def create_app(service: TinkerService) -> FastAPI:
         n = req.num_samples
         want_prompt = bool(req.prompt_logprobs)
 
-        def work(handle: ModelHandle) -> bytes:
-            _fits(prompt, params, handle.info)
+        def work(handle: ModelHandle) -> bytes:  # the model checks prompt and context again
             return write_sample_response(
                 handle.call("sample", prompt, n, params, weights, want_prompt)
             )

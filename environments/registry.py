@@ -116,9 +116,7 @@ def _reasoning_gym_task(name: str) -> Any:
     dataset = name[len(REASONING_GYM_PREFIX) :]
     try:
         return reasoning_gym.task_class(dataset)
-    except reasoning_gym.ReasoningGymMissing as exc:
-        raise EnvironmentLoadError(f"environment {name!r}: {exc}") from None
-    except ValueError as exc:
+    except (reasoning_gym.ReasoningGymMissing, ValueError) as exc:
         raise EnvironmentLoadError(f"environment {name!r}: {exc}") from None
 
 

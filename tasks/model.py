@@ -25,6 +25,7 @@ from flowrl.backends.models import (
     model_positions,
     pin_model_uri,
     resolve_model_uri,
+    tiny_model_key,
     tiny_model_slot,
 )
 from flowrl.backends.types import WorkerSpec
@@ -60,7 +61,7 @@ def prepare_model(cfg: JobConfig, ctx: JobContext) -> str:
     spec = cfg.model.tiny
     # A text model's key leaves the (disabled) vision section out: the same key as before it.
     shape = spec.model_dump(exclude=None if spec.vision.enabled else {"vision"})
-    key = stable_hash(shape)
+    key = tiny_model_key(spec)
     rel = f"models/tiny-{key}"
     if not storage.exists(f"{rel}/{DONE_MARKER}"):
         # Built once per machine into the model cache (every home on it may share the cache);
