@@ -3,14 +3,17 @@
 Prefect tasks never load weights: they receive a small ``PolicyRef`` (its placement: actor
 names) and call the workers' verbs through ``sampler(ref)`` / ``trainer(ref)``. A placement is
 one object with one interface (``PolicyRef``: the workers, ``sync``, ``restart``, ``stop``,
-``nodes``), implemented by ``SplitPolicy``, ``ColocatedPolicy`` and ``LocalPolicy`` (the same
-verbs in-process, without Ray: benchmarks, notebooks).
+``nodes``), implemented by ``SplitPolicy``, ``ColocatedPolicy``, ``SharedPolicy`` (a tenant's
+LoRA adapters on a shared base-model worker, ``backends.shared_worker``) and ``LocalPolicy``
+(the same verbs in-process, without Ray: benchmarks, notebooks).
 """
 
 from __future__ import annotations
 
 import gc
+import hashlib
 import importlib
+import json
 import os
 import time
 from collections.abc import Callable
@@ -152,6 +155,7 @@ class WorkerPlan:
     samplers: int = 1
     trainer_threads: int | None = None  # None: torch_threads
     colocate: bool = False  # the sampler and the trainer in one actor (ColocatedWorker)
+    shared: SharedPlacement | None = None  # a tenant of a shared base-model worker
 
     def start(self, name: str, spec: WorkerSpec) -> PolicyRef:
         """Start a policy's samplers and trainer as planned (``spec.torch_threads`` and
@@ -165,6 +169,7 @@ class WorkerPlan:
             samplers=self.samplers,
             trainer_threads=self.trainer_threads,
             colocate=self.colocate,
+            shared=self.shared,
         )
 
     def adopt(self, ref: PolicyRef, spec: WorkerSpec) -> bool:
@@ -179,18 +184,20 @@ class WorkerPlan:
 
 
 class _Proxy:
-    """Calls a worker's verbs synchronously, whether it is a Ray actor or a local object."""
+    """Calls a worker's verbs synchronously, whether it is a Ray actor or a local object; a
+    Ray actor's ``call_as`` gets ``route`` first (the role; a shared worker's tenant and
+    role)."""
 
-    def __init__(self, target: Any, remote: bool, role: str):
+    def __init__(self, target: Any, remote: bool, *route: str):
         self._target = target
         self._remote = remote
-        self._role = role
+        self._route = route
 
     def __getattr__(self, verb: str) -> Callable[..., Any]:
         if not self._remote:
             return getattr(self._target, verb)
-        call, role = self._target.call_as, self._role
-        return lambda *args, **kwargs: ray.get(call.remote(role, verb, *args, **kwargs))
+        call, route = self._target.call_as, self._route
+        return lambda *args, **kwargs: ray.get(call.remote(*route, verb, *args, **kwargs))
 
 
 def sampler(ref: PolicyRef, index: int = 0) -> _Proxy:
@@ -229,12 +236,14 @@ def start_policy(
     samplers: int = 1,
     trainer_threads: int | None = None,
     colocate: bool = False,
+    shared: SharedPlacement | None = None,
 ) -> PolicyRef:
     """Start ``samplers`` samplers and a trainer for one policy and wait until all hold their
-    weights, in the placement these choose (``LocalPolicy`` with ``local``; else
-    ``ColocatedPolicy`` with ``colocate`` and one sampler; else ``SplitPolicy``). The trainer
-    runs ``trainer_threads`` torch threads (default: ``spec.torch_threads``, as the samplers);
-    Ray still counts it as ``resources.num_cpus``."""
+    weights, in the placement these choose (``LocalPolicy`` with ``local``; else a tenant of a
+    shared base-model worker with ``shared``; else ``ColocatedPolicy`` with ``colocate`` and
+    one sampler; else ``SplitPolicy``). The trainer runs ``trainer_threads`` torch threads
+    (default: ``spec.torch_threads``, as the samplers); Ray still counts it as
+    ``resources.num_cpus``."""
     paths = {
         "sampler": _pick(SAMPLER_BACKENDS, sampler_backend, "sampler"),
         "trainer": _pick(TRAINER_BACKENDS, trainer_backend, "trainer"),
@@ -242,6 +251,8 @@ def start_policy(
     specs = _role_specs(spec, trainer_threads)
     if local:
         return LocalPolicy.start(name, paths, specs, samplers)
+    if shared is not None:
+        return SharedPolicy.start(name, specs, shared, resources)
     options = {
         "namespace": NAMESPACE,
         "num_cpus": resources.num_cpus,
@@ -517,6 +528,126 @@ class LocalPolicy(PolicyRef):
     def stop(self, timeout_s: float = 30.0) -> None:
         for name in self.actors:
             _LOCAL_WORKERS.pop(name, None)
+
+
+SHARED_WORKER = "flowrl.backends.shared_worker:SharedWorker"
+
+
+@dataclass(frozen=True)
+class SharedPlacement:
+    """How a tenant's shared base-model worker is found or started: the worker holds ``gpus``
+    slots of the scheduler's ``gpu`` limit once, for all its tenants (through the Prefect API
+    at ``prefect_api_url``), and ends after ``idle_timeout_s`` without a tenant."""
+
+    gpus: int = 0
+    idle_timeout_s: float = 120.0
+    prefect_api_url: str | None = None
+
+
+def shared_worker_name(spec: WorkerSpec) -> str:
+    """The name of the shared worker for ``spec``'s base model, device and precision: the
+    tenants of one base find one worker; its admission limit is ``adapter-slots-<name>``."""
+    key = json.dumps([spec.model_uri, spec.device, spec.dtype])
+    return f"shared-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+
+
+class SharedHost:
+    """The Ray actor of a shared base-model worker (``SHARED_WORKER``, built in the actor's own
+    process: the process that starts it imports no torch)."""
+
+    def __init__(self, *args: Any):
+        self._impl = backend_class(SHARED_WORKER)(*args)
+
+    def call_as(self, tenant: str, role: str, verb: str, *args: Any, **kwargs: Any) -> Any:
+        return self._impl.call_as(tenant, role, verb, *args, **kwargs)
+
+    def do(self, method: str, *args: Any) -> Any:
+        """One of the worker's own methods (join, leave, sync, restart, stats, ...)."""
+        return getattr(self._impl, method)(*args)
+
+    def where(self) -> tuple[str, int]:
+        return _here()
+
+
+@dataclass(frozen=True)
+class SharedPolicy(PolicyRef):
+    """A tenant of a shared base-model worker (``backends.shared_worker``): its sampler and
+    trainer are LoRA adapters on the worker's base, named ``tenant``; a sync is a copy inside
+    the worker; stopping it leaves the worker (which others may use) running."""
+
+    tenant: str = ""
+
+    @classmethod
+    def start(
+        cls,
+        name: str,
+        specs: dict[str, WorkerSpec],
+        placement: SharedPlacement,
+        resources: ActorResources,
+    ) -> SharedPolicy:
+        """Join the worker of ``specs``' base model, starting it if none runs."""
+        spec = specs["trainer"]
+        worker = shared_worker_name(spec)
+        ref = cls(samplers=(worker,), trainer=worker, tenant=name)
+        base = WorkerSpec(
+            model_uri=spec.model_uri,
+            cache_dir=spec.cache_dir,
+            device=spec.device,
+            dtype=spec.dtype,
+            torch_threads=max(s.torch_threads for s in specs.values()),
+        )
+        env = _worker_env(base.torch_threads)
+        if placement.prefect_api_url:  # where the worker holds its GPU slots
+            env["PREFECT_API_URL"] = placement.prefect_api_url
+        for attempt in range(3):
+            handle = (
+                ray.remote(SharedHost)
+                .options(
+                    name=worker,
+                    namespace=NAMESPACE,
+                    lifetime="detached",
+                    get_if_exists=True,
+                    num_cpus=resources.num_cpus,
+                    num_gpus=resources.num_gpus,
+                    max_concurrency=1,
+                    runtime_env={"env_vars": env},
+                )
+                .remote(base, placement.gpus, placement.idle_timeout_s)
+            )
+            try:
+                ray.get(handle.do.remote("join", name, specs))
+                return ref
+            except ray.exceptions.RayActorError:
+                if attempt == 2:  # it ended as we joined (idle): the next one starts anew
+                    raise
+        raise AssertionError("unreachable")
+
+    def _host(self) -> Any:
+        return ray.get_actor(self.trainer, namespace=NAMESPACE)
+
+    def sampler_worker(self, index: int = 0) -> _Proxy:
+        return _Proxy(self._host(), True, self.tenant, "sampler")
+
+    def trainer_worker(self) -> _Proxy:
+        return _Proxy(self._host(), True, self.tenant, "trainer")
+
+    def sync(self) -> int:
+        return ray.get(self._host().do.remote("sync", self.tenant))
+
+    def restart(self, specs: dict[str, WorkerSpec]) -> bool:
+        return ray.get(self._host().do.remote("restart", self.tenant, specs))
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Leave the worker (idempotent); the worker goes on for its other tenants."""
+        try:
+            ray.get(self._host().do.remote("leave", self.tenant), timeout=timeout_s)
+        except (ValueError, ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
+            pass  # the worker is gone already: nothing to leave
+
+
+def shared_worker_stats(name: str) -> dict[str, Any]:
+    """What the shared worker ``name`` holds (``SharedWorker.stats``)."""
+    return ray.get(ray.get_actor(name, namespace=NAMESPACE).do.remote("stats"))
 
 
 def run_on_ray(fn: Callable[..., Any], *args: Any) -> Any:

@@ -58,11 +58,11 @@ def load_policy_model(
     if spec.lora.enabled:
         # Same seed in sampler and trainer: both start from identical adapter weights.
         torch.manual_seed(spec.seed)
-        model = get_peft_model(model, _lora_config(spec))
+        model = get_peft_model(model, lora_config(spec))
     return model.to(_device(spec)), load_tokenizer(path), path
 
 
-def _lora_config(spec: WorkerSpec) -> LoraConfig:
+def lora_config(spec: WorkerSpec) -> LoraConfig:
     return LoraConfig(
         r=spec.lora.r,
         lora_alpha=spec.lora.alpha,
@@ -72,17 +72,26 @@ def _lora_config(spec: WorkerSpec) -> LoraConfig:
     )
 
 
-def _trainable_state(model: torch.nn.Module, lora: bool) -> dict[str, torch.Tensor]:
-    """Detached CPU copies (tied weights become separate tensors, as safetensors requires)."""
-    state = get_peft_model_state_dict(model) if lora else model.state_dict()
+def _trainable_state(
+    model: torch.nn.Module, lora: bool, adapter: str = "default"
+) -> dict[str, torch.Tensor]:
+    """Detached CPU copies (tied weights become separate tensors, as safetensors requires);
+    with LoRA the adapter named ``adapter``, its keys without the name."""
+    state = get_peft_model_state_dict(model, adapter_name=adapter) if lora else model.state_dict()
     return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
-def _load_trainable_state(model: torch.nn.Module, state: dict[str, torch.Tensor], lora: bool):
+def _load_trainable_state(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], lora: bool, adapter: str = "default"
+) -> None:
     if lora:
-        set_peft_model_state_dict(model, state)
+        set_peft_model_state_dict(model, state, adapter_name=adapter)
     else:
         model.load_state_dict(state, strict=False)
+
+
+Loaded = tuple[torch.nn.Module, Any, str]
+"""A loaded policy model, its tokenizer and its local path (``load_policy_model``)."""
 
 
 class HFSampler:
@@ -92,11 +101,14 @@ class HFSampler:
     restartable = True
     """Built again in its process from a new spec, it is a new sampler (``actors``)."""
 
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, loaded: Loaded | None = None, adapter: str = "default"):
+        """``loaded``: a model loaded already (a shared worker's base, ``adapter`` being this
+        sampler's LoRA adapter on it, active whenever a verb runs); None loads the spec's."""
         self.spec = spec
+        self.adapter = adapter
         self.device = _device(spec)
         self.dtype = compute_dtype(spec.dtype, self.device)
-        self.model, self.tokenizer, self.model_path = load_policy_model(spec, self.dtype)
+        self.model, self.tokenizer, self.model_path = loaded or load_policy_model(spec, self.dtype)
         self.model.eval()
         self.image_inputs = ImageInputs.for_model(self.model_path)  # None: text only
         self.stop_token_ids = HFChatFormat.from_folder(self.model_path).stop_token_ids
@@ -162,7 +174,7 @@ class HFSampler:
         """Weight sync: load ``TorchTrainer.get_weights()`` (adapter only for LoRA)."""
         state, version = weights
         state = {k: v.to(self.device) for k, v in state.items()}
-        _load_trainable_state(self.model, state, self.spec.lora.enabled)
+        _load_trainable_state(self.model, state, self.spec.lora.enabled, self.adapter)
         self.weights_version = version
         return version
 
@@ -317,11 +329,14 @@ class TorchTrainer:
     restartable = True
     """Built again in its process from a new spec, it is a new trainer (``actors``)."""
 
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, loaded: Loaded | None = None, adapter: str = "default"):
+        """``loaded`` and ``adapter``: as ``HFSampler``'s (the optimiser holds the parameters
+        that require gradients when it is built: the active adapter's)."""
         self.spec = spec
+        self.adapter = adapter
         self.device = _device(spec)
         self.dtype = compute_dtype(spec.dtype, self.device)
-        self.model, self.tokenizer, self.model_path = load_policy_model(spec)
+        self.model, self.tokenizer, self.model_path = loaded or load_policy_model(spec)
         self.model.train()
         self.image_inputs = ImageInputs.for_model(self.model_path)  # None: text only
         self.optimizer = self._new_optimizer()
@@ -518,7 +533,7 @@ class TorchTrainer:
 
     def get_weights(self) -> tuple[dict[str, torch.Tensor], int]:
         """The trainable weights (adapter only for LoRA) and their version, for weight sync."""
-        return _trainable_state(self.model, self.spec.lora.enabled), self.version
+        return _trainable_state(self.model, self.spec.lora.enabled, self.adapter), self.version
 
     def get_weights_version(self) -> int:
         """Optimiser steps taken (restored from checkpoints): the version ``get_weights`` gives."""
@@ -533,7 +548,7 @@ class TorchTrainer:
         torch.save({"torch": torch.get_rng_state()}, rng)
         files = {
             "weights.safetensors": save_safetensors(
-                _trainable_state(self.model, self.spec.lora.enabled)
+                _trainable_state(self.model, self.spec.lora.enabled, self.adapter)
             ),
             "optimizer.pt": optim.getvalue(),
             "rng.pt": rng.getvalue(),
@@ -550,7 +565,7 @@ class TorchTrainer:
             return None
         step, files, meta = latest
         state = load_safetensors(files["weights.safetensors"])
-        _load_trainable_state(self.model, state, self.spec.lora.enabled)
+        _load_trainable_state(self.model, state, self.spec.lora.enabled, self.adapter)
         self.optimizer.load_state_dict(
             torch.load(io.BytesIO(files["optimizer.pt"]), weights_only=True)
         )
@@ -575,6 +590,6 @@ class TorchTrainer:
     def _merged_copy(self) -> torch.nn.Module:
         """A plain model with the adapter merged in; the live adapter and RNG are untouched."""
         with torch.random.fork_rng(devices=[]):  # the throwaway adapter init draws randoms
-            copy = get_peft_model(load_causal_lm(self.model_path), _lora_config(self.spec))
-        set_peft_model_state_dict(copy, get_peft_model_state_dict(self.model))
+            copy = get_peft_model(load_causal_lm(self.model_path), lora_config(self.spec))
+        set_peft_model_state_dict(copy, _trainable_state(self.model, True, self.adapter))
         return copy.merge_and_unload()

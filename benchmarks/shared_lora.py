@@ -12,8 +12,9 @@ Each setup runs in a fresh child process (so its memory is its own) at the TRL b
 sizes and a wider one where the base weights dominate; reported: the process's PSS after the
 tenants joined and after training, aggregate datums per second, and the fourth tenant's join
 time (from its request to a model ready to train, the base already loaded for ``shared``).
-This is the tenants' half of issue 30's benchmark; the ``rl-train`` jobs' half (a shared worker
-across flow runs, and TRL) is not measured yet.
+This is the tenants' half; ``benchmarks/shared_jobs.py`` measures the ``rl-train`` jobs' half
+(a shared worker across flow runs, jobs with workers of their own, and TRL) into the same file,
+whose "rl-train jobs" section this script keeps.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ SIZES = {
 }
 TENANTS = 4
 STEPS = 10
+JOBS_SECTION = "## rl-train jobs"  # benchmarks/shared_jobs.py writes it
 
 
 def child(size: str, setup: str, home: str) -> dict:
@@ -140,14 +142,17 @@ def main() -> None:
         "shared base saves the per-tenant load and join time, not the weights' memory. The memory "
         "a shared worker saves is per process (a torch runtime and a Ray worker per job: "
         "`docs/benchmarks/footprint.md`) and, on GPUs, the device copy of the base per process; "
-        "both need the rl-train jobs' half of this benchmark (one worker across flow runs), "
-        "which is not built yet. Throughput: switching the active adapter on every call "
+        "the rl-train jobs' half below (one worker across flow runs) measures them. "
+        "Throughput: switching the active adapter on every call "
         "(`set_adapter`) costs a fixed time per call, visible at the tiny size only.",
     ]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        Path(args.out).write_text(text)
+        out = Path(args.out)
+        jobs = out.read_text().partition(JOBS_SECTION) if out.exists() else ("", "", "")
+        kept = f"\n{jobs[1]}{jobs[2]}" if jobs[1] else ""
+        out.write_text(text + kept)
 
 
 if __name__ == "__main__":

@@ -192,8 +192,16 @@ def startup_split(flow_run_id: Any) -> dict[str, float]:
 # ------------------------------------------------------------------------------ TRL side
 
 
-def trl_side(size: str, seconds: float, threads: int, warm_model: str) -> dict[str, Any]:
-    """TRL's GRPOTrainer from the same warm model for ``seconds`` of training."""
+def trl_side(
+    size: str,
+    seconds: float,
+    threads: int,
+    warm_model: str,
+    overrides: list[str] | None = None,
+    seed: int | None = None,
+) -> dict[str, Any]:
+    """TRL's GRPOTrainer from the same warm model for ``seconds`` of training (with
+    ``model.lora.enabled`` among ``overrides``: a PEFT LoRA adapter of the job's shape)."""
     started = time.perf_counter()
     import torch
 
@@ -208,7 +216,9 @@ def trl_side(size: str, seconds: float, threads: int, warm_model: str) -> dict[s
     from flowrl.infra.settings import get_settings
     from flowrl.tasks.common import chat_format, evaluate_policy
 
-    config = job_config(size, [])
+    config = job_config(size, overrides or [])
+    if seed is not None:
+        config = config.model_copy(update={"seed": seed})
     cache = get_settings().model_cache_dir
     path = resolve_model_uri(warm_model, cache)
     task, r, alg = config.env.task(), config.rollout, config.algorithm
@@ -276,6 +286,18 @@ def trl_side(size: str, seconds: float, threads: int, warm_model: str) -> dict[s
     )
     model = load_causal_lm(path).train()
     budget = WallBudget()
+    lora = config.model.lora
+    peft = None
+    if lora.enabled:
+        from peft import LoraConfig
+
+        peft = LoraConfig(
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
+            task_type="CAUSAL_LM",
+        )
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=exact_match,
@@ -283,6 +305,7 @@ def trl_side(size: str, seconds: float, threads: int, warm_model: str) -> dict[s
         train_dataset=dataset,
         processing_class=load_tokenizer(path),
         callbacks=[budget],
+        peft_config=peft,
     )
     generate_s: list[float] = []
     generate = trainer._generate_single_turn
@@ -297,7 +320,8 @@ def trl_side(size: str, seconds: float, threads: int, warm_model: str) -> dict[s
     trainer._generate_single_turn = timed_generate
     ready = time.perf_counter()
     trainer.train()
-    trainer.model.save_pretrained(out_dir)
+    trained = trainer.model.merge_and_unload() if peft is not None else trainer.model
+    trained.save_pretrained(out_dir)
     trainer.processing_class.save_pretrained(out_dir)
     policy = start_policy("trl-eval", WorkerSpec(model_uri=out_dir, cache_dir=cache), local=True)
     try:  # the flow's own eval code on the flow's held-out set
@@ -330,10 +354,12 @@ def trl_side(size: str, seconds: float, threads: int, warm_model: str) -> dict[s
 # ------------------------------------------------------------------------- parent: runs
 
 
-def run_child(label: str, argv: list[str], home: Path) -> dict[str, Any]:
+def run_child(label: str, argv: list[str], home: Path, script: str = __file__) -> dict[str, Any]:
+    """``script`` (default: this one) as a child with ``argv``; its result and the peak
+    memory of its whole process tree."""
     out = home / f"{label}.json"
     log = home / f"{label}.log"
-    cmd = [sys.executable, __file__, *argv, "--home", str(home), "--result", str(out)]
+    cmd = [sys.executable, script, *argv, "--home", str(home), "--result", str(out)]
     print(f"[{datetime.now():%H:%M:%S}] {label}: {shlex.join(cmd[1:])}", file=sys.stderr)
     start = time.perf_counter()
     peak, stop = TreePeak(), threading.Event()
@@ -355,7 +381,7 @@ def run_child(label: str, argv: list[str], home: Path) -> dict[str, Any]:
 
 def _brief(result: dict[str, Any]) -> dict[str, Any]:
     keys = ("steps", "loop_s", "accuracy_end", "peak_pss_mb", "wall_s")
-    return {k: round(result[k], 3) if isinstance(result[k], float) else result[k] for k in keys}
+    return {k: round(v, 3) if isinstance(v := result[k], float) else v for k in keys if k in result}
 
 
 def run_size(
@@ -666,6 +692,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--warm-model")
+    parser.add_argument("--trl-set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--trl-seed", type=int, help="the TRL side's seed (default: the job's)")
     parser.add_argument("--result", type=Path)
     args = parser.parse_args()
     if args.side is None and args.home is not None:
@@ -681,7 +709,14 @@ def main() -> None:
     if args.side is not None:
         steps = (args.steps or [SIZES[args.size].steps])[0]
         if args.side == "trl":
-            result = trl_side(args.size, args.seconds, args.threads, args.warm_model)
+            result = trl_side(
+                args.size,
+                args.seconds,
+                args.threads,
+                args.warm_model,
+                args.trl_set,
+                args.trl_seed,
+            )
         else:
             result = flowrl_side(
                 args.size, steps, ahead=int(args.side == "flowrl"), extra=args.flowrl_set

@@ -1,6 +1,7 @@
 """The ``flowrl`` command line.
 
     flowrl train [CONFIG.yaml] [--set key=value ...] [--verbose]
+    flowrl eval [CONFIG.yaml] [--set key=value ...]   # models side by side (pass@k, avg@k)
     flowrl config [CONFIG.yaml] [--set key=value ...]
     flowrl infra up [--no-deployments]          # pool, queues, gpu limit, deployments
     flowrl stack up|down|status|env [--gpus N]  # local Prefect/worker/Ray/MLflow/S3
@@ -48,6 +49,7 @@ def _parser() -> argparse.ArgumentParser:
         ("train", "an RL training job (the rl-train flow)"),
         ("selfplay", "a multi-agent self-play job (the self-play flow)"),
         ("sft", "a supervised fine-tuning job (the sft-train flow)"),
+        ("eval", "an evaluation job: models side by side (the evaluate flow)"),
     ):
         _add_config_arguments(sub.add_parser(name, help=f"Run {text} in this process."))
     show = sub.add_parser("config", help="Print the validated RL config (defaults filled in).")
@@ -209,9 +211,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("serve", "tinker"):
         return _tinker(args)
     from flowrl.infra.configfile import ConfigError
-    from flowrl.tasks.jobs import RLJobConfig, SelfPlayJobConfig, SFTJobConfig, load_job
+    from flowrl.tasks.jobs import (
+        EvalJobConfig,
+        RLJobConfig,
+        SelfPlayJobConfig,
+        SFTJobConfig,
+        load_job,
+    )
 
-    kinds = {"selfplay": SelfPlayJobConfig, "sft": SFTJobConfig}
+    kinds = {"selfplay": SelfPlayJobConfig, "sft": SFTJobConfig, "eval": EvalJobConfig}
     try:
         config = load_job(args.config, args.overrides, kinds.get(args.command, RLJobConfig))
     except ConfigError as err:
@@ -222,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(yaml.safe_dump(config.model_dump(), sort_keys=False))
         return 0
+    if args.command == "eval":
+        return _eval(config, args.verbose)
     from flowrl.backends.chat import check_chat_template
     from flowrl.backends.models import check_model_source
 
@@ -245,6 +255,27 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{sft_train(config)}")
         return 0
     return _train(config)
+
+
+def _eval(config, verbose: bool) -> int:
+    """The evaluate flow in this process; its table of models side by side."""
+    _prepare(verbose=verbose)  # before Prefect is imported: it reads its log level then
+    from flowrl.flows.evaluate import evaluate, resolve_models, side_by_side
+
+    try:
+        resolve_models(config.models)  # a reference that does not resolve: before anything runs
+    except ValueError as err:
+        print(f"flowrl: {err}", file=sys.stderr)
+        return 2
+    result = evaluate(config)
+    rows = side_by_side(result.models, result.scores)
+    columns = list(rows[0])
+    widths = [max(len(str(c)), *(len(str(r[c])) for r in rows)) for c in columns]
+    print()
+    for line in (dict(zip(columns, columns, strict=True)), *rows):
+        print("  ".join(str(line[c]).ljust(w) for c, w in zip(columns, widths, strict=True)))
+    print(f"\nMLflow run: {result.mlflow_run_id}; one per model: {', '.join(result.model_runs)}")
+    return 0
 
 
 def _tinker(args) -> int:

@@ -18,13 +18,20 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flowrl.backends.actors import PolicyRef, stop_policy, worker_nodes
+from flowrl.backends.actors import (
+    PolicyRef,
+    SharedPolicy,
+    shared_worker_name,
+    shared_worker_stats,
+    stop_policy,
+    worker_nodes,
+)
 from flowrl.backends.types import WorkerSpec
 from flowrl.environments.remote import stop_env_pool
 from flowrl.flows.run_page import Column, Phase, RunPage
 from flowrl.infra import tracking
 from flowrl.infra.redact import redact
-from flowrl.infra.scheduler import gpu_slots
+from flowrl.infra.scheduler import adapter_slots, gpu_slots
 from flowrl.infra.settings import get_settings
 from flowrl.infra.storage import Storage
 from flowrl.tasks.jobs import JobConfig
@@ -147,7 +154,9 @@ class JobRun:
     def __enter__(self) -> JobRun:
         get_settings().apply_to_environment()
         with contextlib.ExitStack() as entering:
-            entering.enter_context(gpu_slots(self.config.resources.gpus))
+            # A shared worker's tenant holds an adapter slot (``tenant_of``); the worker, its GPUs.
+            shared = self.config.resources.placement == "shared"
+            entering.enter_context(gpu_slots(0 if shared else self.config.resources.gpus))
             entering.callback(self._stop_workers)  # runs first on exit: workers, then slots
             self.run_id = self._start_tracking()
             self._exits = entering.pop_all()
@@ -190,6 +199,35 @@ class JobRun:
 
     # ------------------------------------------------------------------------- workers
 
+    def tenant_of(self, base_uri: str) -> None:
+        """With ``resources.placement`` shared, hold one adapter slot of the shared worker of
+        ``base_uri`` (the model the job's adapter trains on; Prefect limit
+        ``adapter-slots-<worker>``) for the rest of the run, waiting while all are taken; the
+        job's workers leave the shared worker before the slot is given back. Nothing for a
+        job with workers of its own."""
+        if self.config.resources.placement != "shared":
+            return
+        worker = shared_worker_name(self._spec(base_uri))
+        limit = f"adapter-slots-{worker}"
+        self.say(f"waiting for an adapter slot of shared worker {worker} (limit {limit})")
+        began = time.monotonic()
+        self._exits.enter_context(adapter_slots(limit, get_settings().shared_adapter_slots))
+        self._exits.callback(self._leave_shared)
+        self.say(f"adapter slot of {worker} held after {time.monotonic() - began:.1f} s")
+
+    def _leave_shared(self) -> None:
+        for policy in self._policies:
+            stop_policy(policy)
+
+    def _spec(self, model_uri: str) -> WorkerSpec:
+        return WorkerSpec(
+            model_uri=model_uri,
+            cache_dir=self.ctx.cache_dir,
+            seed=self.config.seed,
+            dtype=self.config.worker_plan().dtype,
+            **self.config.worker_settings(),
+        )
+
     def start_policy(
         self, model_uri: str, name: str | None = None, adopt: PolicyRef | None = None
     ) -> PolicyRef:
@@ -199,12 +237,7 @@ class JobRun:
         restarted from ``model_uri`` instead, in their processes, as new ones would start;
         where a backend cannot restart they are stopped and new ones start. The Ray node of
         each is a tag of the MLflow run (``node/sampler-0``, ``node/trainer``)."""
-        spec = WorkerSpec(
-            model_uri=model_uri,
-            cache_dir=self.ctx.cache_dir,
-            seed=self.config.seed,
-            **self.config.worker_settings(),
-        )
+        spec = self._spec(model_uri)
         plan = self.config.worker_plan()
         policy = None
         if adopt is not None:
@@ -217,6 +250,17 @@ class JobRun:
         if policy is None:
             policy = plan.start(name or self.ctx.run_name, spec)
             self._policies.append(policy)
+        if isinstance(policy, SharedPolicy):
+            held = shared_worker_stats(policy.trainer)
+            get_run_logger().info(
+                "policy: tenant %s of shared worker %s (pid %d, base loaded %d time, %d "
+                "tenants now)",
+                policy.tenant,
+                policy.trainer,
+                held["pid"],
+                held["base_loads"],
+                len(held["tenants"]),
+            )
         prefix = f"{name}/" if name else ""
         nodes = worker_nodes(policy)
         tags = {f"node/{prefix}trainer": nodes[policy.trainer]}

@@ -30,8 +30,8 @@ from flowrl.flows.run_page import job_run_name
 from flowrl.infra import tracking
 from flowrl.infra.settings import get_settings
 from flowrl.tasks.common import derived_seed
+from flowrl.tasks.evaluate import EvalSpec, score_model
 from flowrl.tasks.jobs import RetrainConfig, RLJobConfig
-from flowrl.tasks.rl import evaluate
 
 
 @dataclass(frozen=True)
@@ -101,12 +101,13 @@ def retrain(config: RetrainConfig = RetrainConfig()) -> RetrainDecision:  # noqa
 
 
 def accuracy(job: JobRun, template: RLJobConfig, model_uri: str, role: str) -> float:
-    """Greedy held-out accuracy of a registered model (training's eval task, on ``template``'s
-    environment), on workers started for it under the round's GPU slots and stopped before the
-    next model's start."""
+    """Greedy held-out accuracy of a registered model on ``template``'s environment: the
+    ``evaluate`` job's scoring (``score_model``, greedy only), on workers started for it under
+    the round's GPU slots and stopped before the next model's start."""
+    spec = EvalSpec(template.env, template.model, template.rollout, seed=template.seed)
     policy = job.start_policy(model_uri, f"{job.ctx.run_name}-{role}")
     try:
-        return evaluate.submit(template, job.ctx, model_uri, policy).result().accuracy
+        return score_model.submit(spec, job.ctx, model_uri, policy).result().greedy_accuracy
     finally:
         stop_policy(policy)
 

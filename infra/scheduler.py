@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from pathlib import Path
 from typing import Any, Literal
 
@@ -202,5 +203,37 @@ def gpu_slots(gpus: int) -> contextlib.AbstractContextManager:
         occupy=gpus,
         strict=True,
         lease_duration=spec.gpu_lease_seconds,
+        raise_on_lease_renewal_failure=False,
+    )
+
+
+_CREATING = threading.Lock()
+"""Tenants starting at once in one process create their limit one after the other (a
+concurrent create collides in the API's database, and the client backs off for seconds)."""
+
+
+def adapter_slots(name: str, slots: int) -> contextlib.AbstractContextManager:
+    """Hold one slot of the global concurrency limit ``name`` for the whole block: a shared
+    base-model worker's adapter slots, which its tenants hold (waiting while all are taken).
+    The limit is created with ``slots`` slots; one that exists keeps its own (an operator may
+    change it in the Prefect UI). Like ``gpu_slots``, a killed holder's slot comes back when
+    its lease runs out."""
+    from prefect import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+
+    with _CREATING, get_client(sync_client=True) as client:  # one create at a time here
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+        except ObjectNotFound:
+            create = GlobalConcurrencyLimitCreate(name=name, limit=slots, active=True)
+            with contextlib.suppress(ObjectAlreadyExists):  # another tenant created it first
+                client.create_global_concurrency_limit(create)
+    return concurrency(
+        name,
+        occupy=1,
+        strict=True,
+        lease_duration=load_scheduler().gpu_lease_seconds,
         raise_on_lease_renewal_failure=False,
     )

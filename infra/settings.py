@@ -91,6 +91,18 @@ class Settings(BaseSettings):
         description="GPUs in the work pool (slots of the `gpu` limit); unset = the declaration's.",
     )
 
+    shared_adapter_slots: int = Field(
+        default=4,
+        ge=1,
+        description="Adapter slots of a shared base-model worker: tenants (rl-train jobs with "
+        "resources.placement shared) it holds at once; the next waits in Prefect.",
+    )
+    shared_idle_s: float = Field(
+        default=120.0,
+        gt=0,
+        description="Seconds a shared base-model worker without tenants waits before it ends "
+        "and gives back its GPU slots.",
+    )
     tinker_models: dict[str, str] = Field(
         default={"flowrl/tiny": "tiny"},
         description="The Tinker API's base models: name -> a local HF folder, s3://… folder, "

@@ -10,7 +10,7 @@ the Prefect UI shows it as a form. Sections carry their own resolvers (``rollout
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -24,7 +24,7 @@ from pydantic import (
 )
 
 from flowrl.agent_loop.loop import LoopLimits
-from flowrl.backends.actors import ActorResources, WorkerPlan
+from flowrl.backends.actors import ActorResources, SharedPlacement, WorkerPlan
 from flowrl.backends.models import TinyModelSpec
 from flowrl.backends.types import (
     ADVANTAGE_NAMES,
@@ -374,12 +374,33 @@ class ResourcesSection(_Section, title="Resources"):
         "on CUDA, float32 on CPU). The trainer keeps float32 master weights and AdamW state "
         "(bf16 autocast forward); log-probs are float32.",
     )
+    placement: Literal["own", "shared"] = Field(
+        default="own",
+        description="own: the job's workers hold their own copy of the model. shared (rl-train "
+        "with model.lora): the job is a tenant of the shared worker of its base model, which "
+        "holds the base once for every such job and each job's adapter; the job holds one of "
+        "its adapter slots (Prefect limit adapter-slots-<worker>), the worker its GPU slots.",
+    )
 
     @model_validator(mode="after")
     def _colocate_one_sampler(self) -> ResourcesSection:
         if self.colocate and self.samplers > 1:
             raise ValueError(
                 f"resources.colocate needs one sampler (resources.samplers={self.samplers})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _shared_worker_runs_hf_and_torch(self) -> ResourcesSection:
+        if self.placement != "shared":
+            return self
+        backends = (self.sampler_backend, self.trainer_backend)
+        if self.samplers > 1 or backends != ("hf", "torch") or self.colocate is False:
+            raise ValueError(
+                "resources.placement shared: a tenant has one sampler and one trainer on the "
+                "shared worker (resources.samplers 1, sampler_backend hf, trainer_backend "
+                f"torch, colocate unset); got samplers={self.samplers}, backends={backends}, "
+                f"colocate={self.colocate}"
             )
         return self
 
@@ -394,6 +415,9 @@ class ResourcesSection(_Section, title="Resources"):
             colocate = on_policy and self.samplers == 1 and backends == ("hf", "torch")
         workers = 1 if colocate else self.samplers + 1
         per_worker = self.gpus_per_worker or self.gpus / workers
+        shared = None
+        if self.placement == "shared":
+            shared, per_worker = self._shared_placement(), self.gpus_per_worker or self.gpus
         return WorkerPlan(
             resources=ActorResources(num_cpus=1, num_gpus=per_worker),
             sampler_backend=self.sampler_backend,
@@ -403,6 +427,16 @@ class ResourcesSection(_Section, title="Resources"):
             samplers=self.samplers,
             trainer_threads=self.trainer_threads,
             colocate=colocate,
+            shared=shared,
+        )
+
+    def _shared_placement(self) -> SharedPlacement:
+        from prefect.settings import PREFECT_API_URL
+
+        return SharedPlacement(
+            gpus=self.gpus,
+            idle_timeout_s=get_settings().shared_idle_s,
+            prefect_api_url=PREFECT_API_URL.value() or None,
         )
 
 
@@ -459,6 +493,25 @@ class JobConfig(_Section):
     experiment: str = Field(default="flowrl", min_length=1, description="MLflow experiment.")
     model: ModelSection = Field(default_factory=ModelSection, description="Policy model.")
     resources: ResourcesSection = Field(default_factory=ResourcesSection, description="Workers.")
+
+    shared_placement: ClassVar[bool] = False
+    """Whether this job kind can be a tenant of a shared worker (``resources.placement``)."""
+
+    @model_validator(mode="after")
+    def _shared_placement_for_lora_rl(self) -> JobConfig:
+        if self.resources.placement != "shared":
+            return self
+        if not type(self).shared_placement:
+            raise ValueError(
+                "resources.placement shared is for rl-train jobs (a tenant trains a LoRA "
+                "adapter on the shared worker); use placement own"
+            )
+        if not self.model.lora.enabled:
+            raise ValueError(
+                "resources.placement shared trains a LoRA adapter on a shared base: set "
+                "model.lora.enabled true (or placement own for full-parameter training)"
+            )
+        return self
 
     def worker_settings(self) -> dict[str, Any]:
         """``WorkerSpec`` fields this job kind sets for its policy workers."""
@@ -519,6 +572,8 @@ class RLJobConfig(TrainingJobConfig):
     rollout: RolloutSection = Field(default_factory=RolloutSection, description="Sampling.")
     schedule: ScheduleSection = Field(default_factory=ScheduleSection, description="Loop.")
 
+    shared_placement: ClassVar[bool] = True
+
     @property
     def optimiser(self) -> AlgorithmSection:
         return self.algorithm
@@ -564,6 +619,8 @@ class SelfPlayJobConfig(RLJobConfig):
     """Agents of a game play each other: flowrl's Gomoku (X and O) or a user's game given as a
     class (README: "Your own game"); each agent learns, or one shared policy plays every side.
     Every RL field keeps its meaning, applied per trained policy."""
+
+    shared_placement: ClassVar[bool] = False
 
     name: str = Field(
         default="gomoku-selfplay",
@@ -705,11 +762,64 @@ class RetrainConfig(_Section):
         return self.job.worker_plan()
 
 
+class EvalJobConfig(JobConfig):
+    """An evaluation job: models side by side on environments' held-out sets. Per (model,
+    environment): greedy accuracy, pass@k for each ``k`` and avg@``samples`` (unbiased, from
+    ``samples`` sampled episodes per prompt), mean reward, failed and truncated episodes."""
+
+    name: str = Field(
+        default="evaluate",
+        pattern=JOB_NAME_PATTERN,
+        description="Job name: storage prefix (jobs/<name>/: result.json) and MLflow run name.",
+    )
+    experiment: str = Field(default="flowrl-eval", min_length=1, description="MLflow experiment.")
+    models: list[NoCredentials] = Field(
+        default_factory=lambda: ["models:/arithmetic-demo@champion"],
+        min_length=1,
+        max_length=16,
+        description="Models to compare: models:/name/version, models:/name@alias (pinned to its "
+        "version at the start), a local HF folder or an s3://… folder (a job's policy/ folder). "
+        "`model` keeps its chat-format settings for all of them; its source is not used.",
+    )
+    envs: list[EnvSection] = Field(
+        default_factory=lambda: [EnvSection()],
+        min_length=1,
+        max_length=8,
+        description="Environments, each with its own params and held-out set.",
+    )
+    samples: int = Field(
+        default=4,
+        ge=0,
+        le=64,
+        description="Sampled episodes per held-out prompt (at rollout.temperature) for pass@k "
+        "and avg@samples; 0 = greedy accuracy only.",
+    )
+    k: list[int] = Field(default=[1, 4], description="pass@k for each k (each at most `samples`).")
+    num_prompts: int | None = Field(
+        default=None, ge=1, description="At most this many held-out prompts per environment."
+    )
+    rollout: RolloutSection = Field(
+        default_factory=lambda: RolloutSection(temperature=1.0),
+        description="Sampling limits (temperature, tokens, turns) as in training.",
+    )
+
+    @model_validator(mode="after")
+    def _k_within_samples(self) -> EvalJobConfig:
+        too_big = [k for k in self.k if k < 1 or k > self.samples]
+        if too_big:
+            raise ValueError(
+                f"k={too_big[0]} needs 1 <= k <= samples={self.samples} (pass@k is estimated "
+                "from `samples` episodes per prompt): raise samples or lower k"
+            )
+        return self
+
+
 JOB_KINDS: dict[str, type[JobConfig]] = {
     "rl-train": RLJobConfig,
     "self-play": SelfPlayJobConfig,
     "sft-train": SFTJobConfig,
     "batch-inference": InferenceJobConfig,
+    "evaluate": EvalJobConfig,
 }
 """Each job kind's schema, by the name of its flow."""
 

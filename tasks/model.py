@@ -35,6 +35,7 @@ from flowrl.environments.plugin import play
 from flowrl.environments.timeouts import TimedEnv
 from flowrl.environments.types import TaskConfig
 from flowrl.infra import tracking
+from flowrl.infra.scheduler import gpu_slots
 from flowrl.infra.storage import Storage
 from flowrl.tasks.common import chat_format, evaluate_policy, stable_hash
 from flowrl.tasks.jobs import JOB_KINDS, JobConfig, RLJobConfig, TrainingJobConfig
@@ -42,6 +43,8 @@ from flowrl.tasks.sft import chat_rows, sft_steps
 from flowrl.tasks.types import JobContext, WarmupResult
 
 DONE_MARKER = "DONE.json"
+SHARED_WARMUP_SEED = 0
+"""The warm-up seed of every tenant of a shared worker (``warmup``)."""
 
 
 @task(name="prepare-model", cache_policy=NO_CACHE)
@@ -115,7 +118,22 @@ def warmup(
     (``WarmupResult.workers``), for the job to restart from the warmed model rather than start
     new processes; else they are stopped. A second job with the same base model, environment
     and warm-up settings reuses the stored result.
+
+    A tenant of a shared worker (``resources.placement`` shared) warms up with seed
+    ``SHARED_WARMUP_SEED`` whatever its own, on workers of its own that it never keeps: every
+    tenant of the same base, environment and warm-up settings then starts RL from one warmed
+    model, the base its shared worker holds once (the first pays for the warm-up, the others
+    reuse it), and trains its own adapter on it from its own seed.
     """
+    if cfg.resources.placement == "shared":
+        own = cfg.resources.model_copy(update={"placement": "own"})
+        cfg = cfg.model_copy(update={"seed": SHARED_WARMUP_SEED, "resources": own})
+        with gpu_slots(own.gpus):  # the job holds none: its shared worker holds them
+            return _warmup(cfg, ctx, base_uri, keep_workers=False)
+    return _warmup(cfg, ctx, base_uri, keep_workers)
+
+
+def _warmup(cfg: RLJobConfig, ctx: JobContext, base_uri: str, keep_workers: bool) -> WarmupResult:
     if not cfg.warmup.enabled:
         return WarmupResult(base_uri, accuracy=None, steps=0, cached=False)
     task_cfg = cfg.env.task(cfg.seed)

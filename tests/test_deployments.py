@@ -213,10 +213,26 @@ def test_every_deployment_runs_on_the_worker(deployed, stack_env, capsys, tmp_pa
             "env.params.eval_size=8",
         ),
         "retrain": jobs.submit("retrain", {"config": {"job": retrain_job}}),
+        "evaluate": jobs.submit(
+            "evaluate",
+            {
+                "config": {
+                    "name": "dep-eval",
+                    "models": ["models:/dep-rl/1"],
+                    "envs": [{"name": "arithmetic", "params": {"eval_size": 8}}],
+                    "samples": 2,
+                    "k": [1, 2],
+                }
+            },
+        ),
     }
     _wait_all(jobs, runs)
     infer = _result(storage, "dep-infer")
     assert infer["num_episodes"] == 8
+    (scores,) = _result(storage, "dep-eval")["scores"]  # one model, one environment
+    assert scores[0]["prompts"] == 8 and set(scores[0]["pass_at"]) == {"1", "2"}
+    evaluated = c.get_model_version("dep-rl", "1").tags
+    assert evaluated["flowrl.eval.run_id"] and "flowrl.eval.arithmetic.pass_at_2" in evaluated
     # The gate's decision is recorded on the challenger (version 2): the alias follows it.
     challenger = c.get_model_version("dep-rl", "2")
     decision = challenger.tags["flowrl.retrain.decision"]

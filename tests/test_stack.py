@@ -544,6 +544,79 @@ def test_tinker_sessions_are_flow_runs_holding_gpu_slots(tinker_sessions, stack_
     assert gone.status_code == 410 and "no heartbeat" in gone.json()["detail"]
 
 
+# ------------------------------------------------------- shared base-model worker's tenants
+
+
+def _lines(run_id: str) -> list[str]:
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    only = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(run_id)]))
+    with get_client(sync_client=True) as c:
+        return [g.message for g in c.read_logs(log_filter=only, limit=200)]
+
+
+def _line(run_id: str, wanted: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [line for line in _lines(run_id) if wanted in line]
+        if found:
+            return found[0]
+        assert time.monotonic() < deadline, (wanted, JobClient().status(run_id))
+        time.sleep(1.0)
+
+
+def test_shared_worker_tenants_across_flow_runs(stack_env):
+    """Two rl-train flow runs (worker subprocesses) with resources.placement shared on the
+    stack's Ray: the second waits for the one adapter slot, the first is SIGKILLed, its slot
+    comes back with its lease, and the second joins the same running worker (same process,
+    base loaded once) and completes."""
+    import re
+    import signal
+    from uuid import UUID
+
+    from prefect import get_client
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+
+    _deploy(stack_env, str(REPO), "flowrl.flows.rl.rl_train", "rl-train-shared")
+    jobs = JobClient()
+
+    def config(name: str, seed: int, steps: int) -> dict:
+        return {
+            "name": name,
+            "seed": seed,
+            "model": {"lora": {"enabled": True}},
+            "resources": {"placement": "shared"},
+            "rollout": {"prompts_per_step": 8},
+            "schedule": {"steps": steps, "eval_every": 1000, "checkpoint_every": 1000},
+        }
+
+    first = jobs.submit("rl-train/rl-train-shared", {"config": config("tenant-a", 1, 5000)})
+    joined = _line(first, "policy: tenant", 300)
+    worker, pid = re.search(r"shared worker (shared-\w+) \(pid (\d+)", joined).groups()
+    limit = f"adapter-slots-{worker}"
+    with get_client(sync_client=True) as c:  # an operator sets the worker to one adapter slot
+        c.update_global_concurrency_limit(limit, GlobalConcurrencyLimitUpdate(limit=1))
+    second = jobs.submit("rl-train/rl-train-shared", {"config": config("tenant-b", 2, 3)})
+    _line(second, f"waiting for an adapter slot of shared worker {worker}", 300)
+    time.sleep(10)
+    assert not [line for line in _lines(second) if "adapter slot of" in line and "held" in line]
+    with get_client(sync_client=True) as c:
+        infra = str(c.read_flow_run(UUID(first)).infrastructure_pid)
+    os.kill(int(infra.rsplit(":", 1)[-1]), signal.SIGKILL)
+    killed = time.monotonic()
+    held = _line(second, f"adapter slot of {worker} held", 180)
+    print(f"\n{held}; the killed tenant's slot came back {time.monotonic() - killed:.0f} s after")
+    assert jobs.wait(second, timeout=300).state == "COMPLETED"
+    rejoined = _line(second, "policy: tenant", 10)
+    assert f"shared worker {worker} (pid {pid}, base loaded 1 time" in rejoined, rejoined
+    assert jobs.wait(first, timeout=60).state == "CRASHED"
+    with get_client(sync_client=True) as c:
+        assert c.read_global_concurrency_limit_by_name(limit).active_slots == 0
+
+
 def test_stack_down_stops_every_process(local_stack, monkeypatch):
     from flowrl.infra import stack
 

@@ -255,7 +255,7 @@ def _flow_run(stack: UIStack, run_id: str) -> dict:
 def test_deployments_list_shows_every_deployment(browser, ui_stack, page):
     declared = yaml.safe_load((REPO / "infra" / "prefect.yaml").read_text())["deployments"]
     names = [d["name"] for d in declared]
-    assert len(names) == 8, names
+    assert len(names) == 9, names
     _open_prefect(page, ui_stack, "Deployments")
     for name in names:
         wait_for(page, _deployment_link(page, name))
