@@ -620,6 +620,7 @@ class SharedPolicy(PolicyRef):
             except ray.exceptions.RayActorError:
                 if attempt == 2:  # it ended as we joined (idle): the next one starts anew
                     raise
+                time.sleep(1.0 + attempt)  # until Ray has released the ended worker's name
         raise AssertionError("unreachable")
 
     def _host(self) -> Any:
