@@ -43,9 +43,17 @@ def test_warmup_workers_start_with_the_jobs_resources_and_backends(tmp_path, mon
     real_start = actors.start_policy
 
     def record(
-        name, spec, resources, sampler_backend, trainer_backend, samplers, trainer_threads, colocate
+        name,
+        spec,
+        resources,
+        sampler_backend,
+        trainer_backend,
+        samplers,
+        trainer_threads,
+        colocate,
+        shared,
     ):
-        assert not colocate  # two samplers: never colocated
+        assert not colocate and shared is None  # two samplers: never colocated; workers of its own
         started.append(
             (name, resources, sampler_backend, trainer_backend, samplers, trainer_threads)
         )
