@@ -190,8 +190,7 @@ class JobRun:
         return run_id
 
     def _stop_workers(self) -> None:
-        for policy in self._policies:
-            stop_policy(policy)
+        self._stop_policies()
         env = getattr(self.config, "env", None)
         if env is not None and env.mode == "ray":  # the job's detached environment actors
             stop_env_pool(f"{self.ctx.run_name}-envs", env.ray_actors)
@@ -212,10 +211,11 @@ class JobRun:
         self.say(f"waiting for an adapter slot of shared worker {worker} (limit {limit})")
         began = time.monotonic()
         self._exits.enter_context(adapter_slots(limit, get_settings().shared_adapter_slots))
-        self._exits.callback(self._leave_shared)
+        self._exits.callback(self._stop_policies)  # leave the worker, then free the slot
         self.say(f"adapter slot of {worker} held after {time.monotonic() - began:.1f} s")
 
-    def _leave_shared(self) -> None:
+    def _stop_policies(self) -> None:
+        """Stop every policy the run started (idempotent; a shared tenant leaves its worker)."""
         for policy in self._policies:
             stop_policy(policy)
 

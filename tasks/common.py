@@ -172,12 +172,14 @@ def evaluate_policy(
     limits: LoopLimits,
     make_env: Callable[[str], Environment] | None = None,
     success: str = "auto",
+    rows: list[dict[str, Any]] | None = None,
 ) -> EvalResult:
-    """Episodes over the environment's fixed held-out set (in-process envs by default);
-    ``limits`` are greedy ones for an evaluation (``rollout.limits(greedy=True)``)."""
+    """Episodes over the environment's fixed held-out set, or ``rows`` of it (in-process envs
+    by default); ``limits`` are greedy ones for an evaluation (``rollout.limits(greedy=True)``)."""
     start = time.perf_counter()
+    rows = task_cfg.eval_set() if rows is None else rows
     trajectories = run_group_episodes(
-        make_env or task_cfg, task_cfg.eval_set(), 1, policy, chat, limits, seed=0, id_prefix="eval"
+        make_env or task_cfg, rows, 1, policy, chat, limits, seed=0, id_prefix="eval"
     )
     ok = [t for t in trajectories if not t.failed]
     return EvalResult(

@@ -88,10 +88,8 @@ def score_model(spec: EvalSpec, ctx: JobContext, model_uri: str, policy: PolicyR
     chat = chat_format(model_uri, ctx.cache_dir, spec.model)
     make_env = env_factory_for(spec.env, ctx.run_name)
     rows = task_cfg.eval_set()[: spec.num_prompts]
-    scoped = _Rows(task_cfg, rows)
-    greedy = evaluate_policy(
-        scoped, policy, chat, spec.rollout.limits(greedy=True), make_env, spec.env.success
-    )
+    limits = spec.rollout.limits(greedy=True)
+    greedy = evaluate_policy(task_cfg, policy, chat, limits, make_env, spec.env.success, rows)
     failed, truncated = greedy.num_failed, _truncated(greedy.env_metrics, greedy.num_episodes)
     pass_at: dict[int, float] = {}
     avg_at = None
@@ -127,19 +125,6 @@ def score_model(spec: EvalSpec, ctx: JobContext, model_uri: str, policy: PolicyR
         avg_at=avg_at,
         seconds=time.perf_counter() - start,
     )
-
-
-class _Rows:
-    """A task config whose held-out set is ``rows`` (the first ``num_prompts``)."""
-
-    def __init__(self, task_cfg: object, rows: list) -> None:
-        self._task_cfg, self._rows = task_cfg, rows
-
-    def eval_set(self) -> list:
-        return self._rows
-
-    def make_env(self) -> object:
-        return self._task_cfg.make_env()
 
 
 def _truncated(env_metrics: dict[str, float], episodes: int) -> int:
