@@ -531,17 +531,21 @@ class LocalPolicy(PolicyRef):
 
 
 SHARED_WORKER = "flowrl.backends.shared_worker:SharedWorker"
+SHARED_CONCURRENCY = 64  # calls a shared worker takes in at once (its tenants' and its own)
 
 
 @dataclass(frozen=True)
 class SharedPlacement:
     """How a tenant's shared base-model worker is found or started: the worker holds ``gpus``
     slots of the scheduler's ``gpu`` limit once, for all its tenants (through the Prefect API
-    at ``prefect_api_url``), and ends after ``idle_timeout_s`` without a tenant."""
+    at ``prefect_api_url``), and ends after ``idle_timeout_s`` without a tenant. The worker
+    that starts first sets these for all its tenants."""
 
     gpus: int = 0
     idle_timeout_s: float = 120.0
     prefect_api_url: str | None = None
+    mix_batches: bool = True  # tenants' concurrent sampling calls share forward passes
+    resident: int = 0  # tenants in the worker's memory at once, others parked on disk (0: all)
 
 
 def shared_worker_name(spec: WorkerSpec) -> str:
@@ -555,8 +559,8 @@ class SharedHost:
     """The Ray actor of a shared base-model worker (``SHARED_WORKER``, built in the actor's own
     process: the process that starts it imports no torch)."""
 
-    def __init__(self, *args: Any):
-        self._impl = backend_class(SHARED_WORKER)(*args)
+    def __init__(self, *args: Any, **kwargs: Any):
+        self._impl = backend_class(SHARED_WORKER)(*args, **kwargs)
 
     def call_as(self, tenant: str, role: str, verb: str, *args: Any, **kwargs: Any) -> Any:
         return self._impl.call_as(tenant, role, verb, *args, **kwargs)
@@ -587,8 +591,6 @@ class SharedPolicy(PolicyRef):
     ) -> SharedPolicy:
         """Join the worker of ``specs``' base model, starting it if none runs."""
         spec = specs["trainer"]
-        worker = shared_worker_name(spec)
-        ref = cls(samplers=(worker,), trainer=worker, tenant=name)
         base = WorkerSpec(
             model_uri=spec.model_uri,
             cache_dir=spec.cache_dir,
@@ -596,32 +598,8 @@ class SharedPolicy(PolicyRef):
             dtype=spec.dtype,
             torch_threads=max(s.torch_threads for s in specs.values()),
         )
-        env = _worker_env(base.torch_threads)
-        if placement.prefect_api_url:  # where the worker holds its GPU slots
-            env["PREFECT_API_URL"] = placement.prefect_api_url
-        for attempt in range(3):
-            handle = (
-                ray.remote(SharedHost)
-                .options(
-                    name=worker,
-                    namespace=NAMESPACE,
-                    lifetime="detached",
-                    get_if_exists=True,
-                    num_cpus=resources.num_cpus,
-                    num_gpus=resources.num_gpus,
-                    max_concurrency=1,
-                    runtime_env={"env_vars": env},
-                )
-                .remote(base, placement.gpus, placement.idle_timeout_s)
-            )
-            try:
-                ray.get(handle.do.remote("join", name, specs))
-                return ref
-            except ray.exceptions.RayActorError:
-                if attempt == 2:  # it ended as we joined (idle): the next one starts anew
-                    raise
-                time.sleep(1.0 + attempt)  # until Ray has released the ended worker's name
-        raise AssertionError("unreachable")
+        worker, _ = join_shared_worker(base, placement, resources, "join", name, specs)
+        return cls(samplers=(worker,), trainer=worker, tenant=name)
 
     def _host(self) -> Any:
         return ray.get_actor(self.trainer, namespace=NAMESPACE)
@@ -644,6 +622,52 @@ class SharedPolicy(PolicyRef):
             ray.get(self._host().do.remote("leave", self.tenant), timeout=timeout_s)
         except (ValueError, ray.exceptions.RayError, ray.exceptions.GetTimeoutError):
             pass  # the worker is gone already: nothing to leave
+
+
+def join_shared_worker(
+    base: WorkerSpec,
+    placement: SharedPlacement,
+    resources: ActorResources,
+    method: str,
+    *args: Any,
+) -> tuple[str, Any]:
+    """Call the shared worker of ``base``'s model (its name: ``shared_worker_name``), starting
+    it if none runs, with ``method(*args)`` (a join: ``join``, ``tinker_join``); its name and
+    the answer."""
+    worker = shared_worker_name(base)
+    env = _worker_env(base.torch_threads)
+    if placement.prefect_api_url:  # where the worker holds its GPU slots
+        env["PREFECT_API_URL"] = placement.prefect_api_url
+    for attempt in range(3):
+        handle = (
+            ray.remote(SharedHost)
+            .options(
+                name=worker,
+                namespace=NAMESPACE,
+                lifetime="detached",
+                get_if_exists=True,
+                num_cpus=resources.num_cpus,
+                num_gpus=resources.num_gpus,
+                # Threads: tenants' calls wait on one lock inside, where sampling calls that
+                # arrive meanwhile are answered together (backends.shared_worker).
+                max_concurrency=SHARED_CONCURRENCY,
+                runtime_env={"env_vars": env},
+            )
+            .remote(
+                base,
+                placement.gpus,
+                placement.idle_timeout_s,
+                mix_batches=placement.mix_batches,
+                resident=placement.resident,
+            )
+        )
+        try:
+            return worker, ray.get(handle.do.remote(method, *args))
+        except ray.exceptions.RayActorError:
+            if attempt == 2:  # it ended as we joined (idle): the next one starts anew
+                raise
+            time.sleep(1.0 + attempt)  # until Ray has released the ended worker's name
+    raise AssertionError("unreachable")
 
 
 def shared_worker_stats(name: str) -> dict[str, Any]:

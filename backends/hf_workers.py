@@ -9,14 +9,18 @@ only, so the workers run where those are not installed (``benchmarks/gpu_check.p
 
 from __future__ import annotations
 
+import functools
 import io
+import json
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
+from transformers import LogitsProcessor
 
 from flowrl.agent_loop.types import SampleResult
 from flowrl.backends.algorithms import (
@@ -30,6 +34,7 @@ from flowrl.backends.algorithms import (
 )
 from flowrl.backends.chat import HFChatFormat
 from flowrl.backends.models import (
+    LORA_EXPORT,
     copy_model_files,
     load_causal_lm,
     load_tokenizer,
@@ -39,6 +44,17 @@ from flowrl.backends.models import (
 from flowrl.backends.precision import compute_dtype, forward_autocast
 from flowrl.backends.types import Datum, WorkerSpec
 from flowrl.backends.vlm import ImageInputs, vision_inputs
+
+
+def write_lora_export(
+    folder: str, state: dict[str, torch.Tensor], base_uri: str, lora: dict[str, Any]
+) -> None:
+    """The adapter ``state`` of a policy trained on ``base_uri`` into ``folder``'s
+    ``LORA_EXPORT`` subfolder (``models.lora_export`` reads its settings back)."""
+    out = Path(folder) / LORA_EXPORT
+    out.mkdir()
+    (out / "adapter.safetensors").write_bytes(save_safetensors(state))
+    (out / "lora.json").write_text(json.dumps({"base_model": base_uri, "lora": lora}))
 
 
 def _device(spec: WorkerSpec) -> torch.device:
@@ -132,14 +148,9 @@ class HFSampler:
         if seed is not None:
             torch.manual_seed(seed)
         pad = pad_id(self.tokenizer)
-        width = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-        attention = torch.zeros((len(prompts), width), dtype=torch.long)
-        for i, p in enumerate(prompts):  # left padding
-            ids[i, width - len(p) :] = torch.tensor(p)
-            attention[i, width - len(p) :] = 1
+        ids, attention = _left_padded(prompts, pad, self.device)
+        width = ids.shape[1]
         greedy = temperature <= 0
-        ids, attention = ids.to(self.device), attention.to(self.device)
         shared = {} if vision else _shared_prompt_cache(self.model, ids, attention)
         out = self.model.generate(
             input_ids=ids,
@@ -163,6 +174,46 @@ class HFSampler:
         logprobs_B_T = token_logprobs(logits_B_T_V / scale, new_B_T)
         return [self._cut(new_B_T[i], logprobs_B_T[i]) for i in range(len(prompts))]
 
+    @torch.no_grad()
+    def sample_rows(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperatures: list[float],
+        seeds: list[int],
+        adapters: list[str],
+    ) -> list[SampleResult]:
+        """Sample one completion per prompt where each row has its own temperature, seed and
+        LoRA adapter (PEFT's mixed-adapter batch): rows of several tenants of a shared worker
+        in one forward pass. A row's randomness is its own (Gumbel-max noise from a generator
+        seeded by its seed), so which other rows share the batch changes none of its draws;
+        text only, LoRA on linear layers (``_RowAdapters``)."""
+        if not prompts:
+            return []
+        pad = pad_id(self.tokenizer)
+        ids, attention = _left_padded(prompts, pad, self.device)
+        width = ids.shape[1]
+        with _RowAdapters(self.model) as route:
+            shared = _shared_prompt_cache(self.model, ids, attention, adapters, route)
+            route.route(adapters)
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=attention,
+                **shared,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,  # the rows' own noise makes the argmax a sample
+                logits_processor=[_RowNoise(temperatures, seeds)],
+                eos_token_id=self.stop_token_ids,
+                pad_token_id=pad,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        new_B_T = out.sequences[:, width:].cpu()
+        logits_B_T_V = torch.stack(out.logits, dim=1).float().cpu()
+        scale_B = torch.tensor([t if t > 0 else 1.0 for t in temperatures])
+        logprobs_B_T = token_logprobs(logits_B_T_V / scale_B[:, None, None], new_B_T)
+        return [self._cut(new_B_T[i], logprobs_B_T[i]) for i in range(len(prompts))]
+
     def _cut(self, tokens_T: torch.Tensor, logprobs_T: torch.Tensor) -> SampleResult:
         tokens = tokens_T.tolist()
         for t, tok in enumerate(tokens):
@@ -181,24 +232,131 @@ class HFSampler:
     def get_weights_version(self) -> int:
         return self.weights_version
 
+    def load_lora_export(self, model_uri: str) -> int:
+        """The adapter of the exported LoRA policy at ``model_uri`` (its ``LORA_EXPORT``) as
+        this sampler's weights (version 0): a LoRA version sampled on its base."""
+        folder = Path(resolve_model_uri(model_uri, self.spec.cache_dir)) / LORA_EXPORT
+        state = load_safetensors((folder / "adapter.safetensors").read_bytes())
+        return self.set_weights((state, 0))
+
+
+def _left_padded(
+    prompts: list[list[int]], pad: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of ``prompts`` left-padded to the longest, on ``device``."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        attention[i, width - len(p) :] = 1
+    return ids.to(device), attention.to(device)
+
+
+class _RowNoise(LogitsProcessor):
+    """A logits processor sampling each row with its own temperature and generator: it adds
+    Gumbel noise to the row's scores over its temperature (Gumbel-max: the argmax is then a
+    draw from the softmax), drawn from a generator seeded with the row's seed, a few steps'
+    noise at a time; temperature 0 leaves the row greedy."""
+
+    NOISE_FLOATS = 1 << 22  # at most this many noise values drawn ahead
+
+    def __init__(self, temperatures: list[float], seeds: list[int]):
+        self.sampled = [i for i, t in enumerate(temperatures) if t > 0]
+        self.scale_S = torch.tensor([temperatures[i] for i in self.sampled])
+        self.generators = [torch.Generator().manual_seed(seeds[i]) for i in self.sampled]
+        self.noise_S_K_V: torch.Tensor | None = None
+        self.step = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores_B_V: torch.Tensor) -> torch.Tensor:
+        if not self.sampled:
+            return scores_B_V
+        if self.noise_S_K_V is None or self.step == self.noise_S_K_V.shape[1]:
+            vocab = scores_B_V.shape[1]
+            k = max(1, min(16, self.NOISE_FLOATS // (len(self.sampled) * vocab)))
+            u = [torch.rand(k, vocab, generator=g) for g in self.generators]
+            self.noise_S_K_V = -torch.log(-torch.log(torch.stack(u).clamp_(1e-20, 1.0)))
+            self.step = 0
+        gumbel_S_V = self.noise_S_K_V[:, self.step].to(scores_B_V.device)
+        self.step += 1
+        out = scores_B_V.float().clone()
+        rows = torch.tensor(self.sampled, device=out.device)
+        out[rows] = out[rows] / self.scale_S.to(out.device)[:, None] + gumbel_S_V
+        return out
+
+
+class _RowAdapters:
+    """While entered, each LoRA linear layer of ``model`` adds to each run of consecutive rows
+    the adapter ``route`` names for them (set before each forward pass): a batched LoRA path for
+    rows of several adapters that slices contiguous runs instead of gathering rows per layer
+    (PEFT's ``adapter_names`` path does that, at a cost per layer that dominates small models).
+    Only LoRA on linear layers, without DoRA."""
+
+    def __init__(self, model: torch.nn.Module):
+        from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.lora import LoraLayer
+
+        self.layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+        others = [m for m in model.modules() if isinstance(m, LoraLayer) and m not in self.layers]
+        if others or any(any(m.use_dora.values()) for m in self.layers):
+            raise NotImplementedError("rows of several adapters: LoRA on linear layers only")
+        self.runs: list[tuple[str, int, int]] = []
+
+    def route(self, names: list[str]) -> None:
+        """The next forward passes' rows: row i with the adapter ``names[i]``."""
+        self.runs = []
+        for i, name in enumerate(names):
+            if self.runs and self.runs[-1][0] == name:
+                self.runs[-1] = (name, self.runs[-1][1], i + 1)
+            else:
+                self.runs.append((name, i, i + 1))
+
+    def __enter__(self) -> _RowAdapters:
+        for layer in self.layers:
+            layer.forward = functools.partial(self._forward, layer)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for layer in self.layers:
+            del layer.forward  # the class's own again
+
+    def _forward(self, layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        result = layer.base_layer(x, *args, **kwargs)
+        for name, lo, hi in self.runs:
+            if name in layer.lora_A:
+                a, b = layer.lora_A[name], layer.lora_B[name]
+                rows = layer.lora_dropout[name](x[lo:hi].to(a.weight.dtype))
+                result[lo:hi] += (b(a(rows)) * layer.scaling[name]).to(result.dtype)
+        return result
+
 
 def _shared_prompt_cache(
-    model: torch.nn.Module, ids_B_T: torch.Tensor, attention_B_T: torch.Tensor
+    model: torch.nn.Module,
+    ids_B_T: torch.Tensor,
+    attention_B_T: torch.Tensor,
+    adapters: list[str] | None = None,
+    route: _RowAdapters | None = None,
 ) -> dict[str, Any]:
     """``generate``'s ``past_key_values`` when rows repeat a prompt (a GRPO group's samples
     share theirs): every distinct prompt but its last token is prefilled once, and the KV
     cache is copied to the rows that repeat it, so ``generate`` only runs the last prompt token
-    and the new ones. Empty (prefill as usual) when every prompt is distinct."""
-    first, index = _distinct_rows([tuple(row) for row in ids_B_T.tolist()])
+    and the new ones. Empty (prefill as usual) when every prompt is distinct. ``adapters``: each
+    row's LoRA adapter, routed by ``route``: rows share a prefill only with their adapter's."""
+    keys = [tuple(row) for row in ids_B_T.tolist()]
+    if adapters is not None:
+        keys = [(adapter, *key) for adapter, key in zip(adapters, keys, strict=True)]
+    first, index = _distinct_rows(keys)
     if len(first) == len(index) or ids_B_T.shape[1] < 2:
         return {}
+    if adapters is not None and route is not None:
+        route.route([adapters[i] for i in first])
     cache = _prefilled_cache(model, ids_B_T[first, :-1], attention_B_T[first, :-1], index)
     return {"past_key_values": cache}
 
 
-def _distinct_rows(rows: list[tuple[int, ...]]) -> tuple[list[int], list[int]]:
+def _distinct_rows(rows: list[tuple[Any, ...]]) -> tuple[list[int], list[int]]:
     """(the first row of each distinct value, each row's distinct slot)."""
-    slots: dict[tuple[int, ...], int] = {}
+    slots: dict[tuple[Any, ...], int] = {}
     first: list[int] = []
     index: list[int] = []
     for i, row in enumerate(rows):
@@ -574,7 +732,9 @@ class TorchTrainer:
         return {**meta, "step": step}
 
     def export_pretrained(self, storage_url: str, rel: str) -> str:
-        """Write the policy as a plain HF folder (LoRA merged) under ``rel``; return its URI."""
+        """Write the policy as a plain HF folder (LoRA merged) under ``rel``; return its URI.
+        With LoRA the folder also keeps the adapter itself and its base (``LORA_EXPORT``), so
+        the version can run as an adapter on a shared worker of that base."""
         from flowrl.infra.storage import Storage
 
         storage = Storage(storage_url)
@@ -584,6 +744,13 @@ class TorchTrainer:
         with tempfile.TemporaryDirectory() as tmp:
             model.save_pretrained(tmp)
             copy_model_files(self.model_path, tmp)  # tokenizer, template, generation config
+            if self.spec.lora.enabled:
+                write_lora_export(
+                    tmp,
+                    _trainable_state(self.model, True, self.adapter),
+                    self.spec.model_uri,
+                    self.spec.lora.model_dump(mode="json"),
+                )
             storage.put_dir(tmp, rel)
         return storage.uri(rel)
 

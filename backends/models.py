@@ -295,6 +295,24 @@ CACHE_BOOKKEEPING = (_COMPLETE_MARKER,)
 """Files the model cache adds to a model folder (left out when a cached model is copied)."""
 
 
+LORA_EXPORT = "flowrl-lora"
+"""The subfolder of an exported LoRA policy (``TorchTrainer.export_pretrained``) that keeps its
+adapter (``adapter.safetensors``) and ``lora.json``: the base model's URI and LoRA settings."""
+
+
+def lora_export(folder: str) -> dict[str, Any] | None:
+    """``lora.json`` of an exported LoRA policy's folder (``base_model``: the URI it was
+    trained on; ``lora``: its LoRA settings); None when the folder holds no adapter (a
+    full-parameter policy, or one exported before adapters were kept)."""
+    where = Path(folder) / LORA_EXPORT / "lora.json"
+    if not where.is_file():
+        return None
+    meta = json.loads(where.read_text())
+    if not isinstance(meta, dict) or not isinstance(meta.get("base_model"), str):
+        raise ValueError(f"{where} is not a flowrl LoRA export (no base_model)")
+    return meta
+
+
 def resolve_model_uri(uri: str, cache_dir: str) -> str:
     """Return a local HF model folder (the one holding ``config.json``) for ``uri``.
 

@@ -9,6 +9,23 @@ state in torch's global generator, so what a tenant computes does not depend on 
 its sampled tokens and log-probs on fixed prompts are bit-identical whether or not another
 tenant trains in between (fp32, CPU). A weight sync is a copy inside the process.
 
+Sampling calls of several tenants that arrive while the worker is busy are answered together:
+their rows go through one forward pass, each tenant's rows through its adapter in every LoRA
+layer, each row with its own temperature and random stream (``HFSampler.sample_rows``), so a
+tenant's draws do not depend on whose rows share the batch. A call that arrives alone runs as a
+job's own sampler would, bit for bit. If a batch together fails, each call in it runs alone, so
+a bad call fails only its tenant.
+
+The worker's base and adapters are a ``tinker_engine.SharedBase``: Tinker API training models
+(``tinker_join``; ``backends.tinker_actor.SharedWorkerPlacement``) are adapters on the same
+base, next to the jobs', with the verbs and state of the Tinker API's own models.
+
+With ``resident`` set, at most that many tenants keep their tensors in memory: a call of a
+parked tenant first parks the least recently used resident one — its adapters, gradients and
+optimiser state written to the worker's disk (safetensors), its tensors emptied — and restores
+its own, exactly: its next step is bit-identical to one never parked (rl-train tenants; Tinker
+models stay in memory).
+
 The worker is a detached, named Ray actor (``shared-<hash of base, precision, device>``):
 it outlives the job that started it, the next job on the same base joins it without a
 restart, and once it has had no tenant for ``idle_timeout_s`` it ends, giving back the GPU
@@ -20,18 +37,23 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 import torch
-from peft import get_peft_model
+from safetensors.torch import load_file, save_file
 
+from flowrl.agent_loop.types import SampleResult
 from flowrl.backends.hf_workers import HFSampler, TorchTrainer, _device, lora_config
 from flowrl.backends.models import load_causal_lm, load_tokenizer, resolve_model_uri
 from flowrl.backends.precision import forward_autocast
+from flowrl.backends.tinker_engine import SharedBase, TinkerModel
+from flowrl.backends.tinker_types import LoraSpec
 from flowrl.backends.types import WorkerSpec
 
 
@@ -39,6 +61,7 @@ from flowrl.backends.types import WorkerSpec
 class _Tenant:
     """One tenant: its two adapters (by role), its workers, its RNG and bookkeeping."""
 
+    name: str
     adapters: dict[str, str]
     workers: dict[str, Any]
     specs: dict[str, WorkerSpec]
@@ -46,12 +69,38 @@ class _Tenant:
     joined: float
     last_call: float = field(default_factory=time.monotonic)
     calls: int = 0
+    parked: str | None = None  # the file its tensors are parked in (``resident``)
+
+
+@dataclass
+class _TinkerTenant:
+    """A Tinker API training model on this worker's base (``tinker_join``)."""
+
+    model: TinkerModel
+    last_call: float = field(default_factory=time.monotonic)
+    calls: int = 0
+
+
+@dataclass
+class _Sampling:
+    """One tenant's sampling call waiting to run, alone or with others' (``call_as``)."""
+
+    tenant: str
+    prompts: list[list[int]]
+    max_new_tokens: int
+    temperature: float
+    seed: int | None
+    result: list[SampleResult] | None = None
+    error: BaseException | None = None
+    done: bool = False
 
 
 class SharedWorker:
     """The Ray actor of a shared base model (see the module's docstring). ``base`` is the
     worker's spec: the base model, cache folder, device and precision; ``gpus`` slots of the
-    scheduler's ``gpu`` limit are held while it lives (0: none)."""
+    scheduler's ``gpu`` limit are held while it lives (0: none). ``mix_batches``: tenants'
+    concurrent sampling calls share forward passes; ``resident``: tenants whose tensors stay
+    in memory at once, the others parked on disk (0: all stay; the module's docstring)."""
 
     def __init__(
         self,
@@ -59,6 +108,8 @@ class SharedWorker:
         gpus: int = 0,
         idle_timeout_s: float = 120.0,
         stale_after_s: float = 900.0,
+        mix_batches: bool = True,
+        resident: int = 0,
     ):
         self._slots = contextlib.ExitStack()
         if gpus > 0:
@@ -70,11 +121,13 @@ class SharedWorker:
         self.device = _device(base)
         self.path = resolve_model_uri(base.model_uri, base.cache_dir)
         # float32 master weights: the trainers' precision; samplers autocast to the spec's.
-        self.base = load_causal_lm(self.path, torch.float32).to(self.device)
-        self.base.requires_grad_(False)
+        model = load_causal_lm(self.path, torch.float32).to(self.device)
+        model.requires_grad_(False)
         self.tokenizer = load_tokenizer(self.path)
-        self.model: Any = None  # the PeftModel, once the first adapter is added
+        # The base and its adapters, as the Tinker API's models hold theirs (tinker_engine).
+        self.shared = SharedBase(self.path, self.device, loaded=(model, self.tokenizer))
         self.tenants: dict[str, _Tenant] = {}
+        self.tinker: dict[str, _TinkerTenant] = {}  # Tinker API models (``tinker_join``)
         self.events: list[tuple[str, str, float]] = []  # (tenant, joined|left|dropped, time)
         self.join_s: dict[str, float] = {}  # how long each tenant's join took
         self.idle_timeout_s = idle_timeout_s
@@ -83,6 +136,14 @@ class SharedWorker:
         self.base_loads = 1
         self._idle_since = time.monotonic()
         self._lock = threading.Lock()
+        self.mix_batches = mix_batches
+        self._waiting: list[_Sampling] = []  # sampling calls not yet run (under _queue)
+        self._queue = threading.Lock()
+        self.together: list[int] = []  # the number of calls each batch run together answered
+        self.busy_s = 0.0  # seconds the worker has spent running calls
+        self.resident = resident
+        self.parks = 0  # tenants parked on disk so far (each restored on its next call)
+        self._park_dir = tempfile.mkdtemp(prefix="parked-", dir=base.cache_dir or None)
         threading.Thread(target=self._watch, name="shared-idle", daemon=True).start()
 
     # ------------------------------------------------------------------------ tenants
@@ -95,12 +156,12 @@ class SharedWorker:
             for spec in specs.values():
                 self._check(spec)
             self._drop(tenant, "left")
+            self._make_room(None)
             adapters = {role: f"{_safe(tenant)}-{role}" for role in specs}
             with torch.random.fork_rng(devices=[]):  # the tenants' streams stay as they are
                 for role, spec in specs.items():
                     # Both roles start from the same adapter weights (seeded).
-                    torch.manual_seed(spec.seed)
-                    self._add_adapter(adapters[role], spec)
+                    self.shared.add_lora(adapters[role], lora_config(spec), spec.seed)
                 workers = {}
                 for role, cls in (("sampler", HFSampler), ("trainer", TorchTrainer)):
                     self.model.set_adapter(adapters[role])
@@ -109,7 +170,7 @@ class SharedWorker:
                 torch.manual_seed(specs["trainer"].seed)
                 rng = torch.get_rng_state()
             now = time.monotonic()
-            self.tenants[tenant] = _Tenant(adapters, workers, dict(specs), rng, now, now)
+            self.tenants[tenant] = _Tenant(tenant, adapters, workers, dict(specs), rng, now, now)
             self.events.append((tenant, "joined", time.time()))
             self.join_s[tenant] = time.monotonic() - began
         return self.join_s[tenant]
@@ -120,30 +181,153 @@ class SharedWorker:
             return self._drop(tenant, "left")
 
     def call_as(self, tenant: str, role: str, verb: str, *args: Any, **kwargs: Any) -> Any:
-        """``verb`` of ``tenant``'s ``role`` worker, with its adapter active and its RNG."""
-        with self._lock:
-            t = self._tenant(tenant)
-            self.model.set_adapter(t.adapters[role])
-            self.model.train(role == "trainer")
-            torch.set_num_threads(t.specs[role].torch_threads)
-            worker = t.workers[role]
-            torch.set_rng_state(t.rng)
+        """``verb`` of ``tenant``'s ``role`` worker, with its adapter active and its RNG; text
+        sampling calls may run together with other tenants' (the module's docstring)."""
+        if self.mix_batches and role == "sampler" and verb == "sample" and not kwargs:
+            if len(args) in (3, 4):  # prompts, max_new_tokens, temperature[, seed]
+                return self._sample(_Sampling(tenant, *args))
+        with self._working():
+            return self._call(tenant, role, verb, *args, **kwargs)
+
+    def _call(self, tenant: str, role: str, verb: str, *args: Any, **kwargs: Any) -> Any:
+        """``call_as`` under the worker's lock: one tenant's verb, alone."""
+        t = self._tenant(tenant)
+        self._unpark(t)
+        self.model.set_adapter(t.adapters[role])
+        self.model.train(role == "trainer")
+        torch.set_num_threads(t.specs[role].torch_threads)
+        worker = t.workers[role]
+        torch.set_rng_state(t.rng)
+        try:
+            with (
+                forward_autocast(worker.dtype, self.device)
+                if role == "sampler"
+                else (contextlib.nullcontext())
+            ):
+                return getattr(worker, verb)(*args, **kwargs)
+        finally:
+            t.rng = torch.get_rng_state()
+            t.last_call = time.monotonic()
+            t.calls += 1
+
+    def _sample(self, call: _Sampling) -> list[SampleResult]:
+        """Queue ``call``; whoever holds the worker next runs every queued call at once."""
+        with self._queue:
+            self._waiting.append(call)
+        with self._working():
+            if not call.done:
+                with self._queue:
+                    batch, self._waiting = self._waiting, []
+                self._run_together(batch)
+        if call.error is not None:
+            raise call.error
+        assert call.result is not None
+        return call.result
+
+    def _run_together(self, batch: list[_Sampling]) -> None:
+        mixable = [c for c in batch if c.seed is not None and c.tenant in self.tenants]
+        if self.resident:  # tenants of one batch are in memory together
+            fits = {c.tenant for c in mixable[: self.resident]}
+            mixable = [c for c in mixable if c.tenant in fits]
+        if len(mixable) > 1:
             try:
-                with (
-                    forward_autocast(worker.dtype, self.device)
-                    if role == "sampler"
-                    else (contextlib.nullcontext())
-                ):
-                    return getattr(worker, verb)(*args, **kwargs)
-            finally:
-                t.rng = torch.get_rng_state()
-                t.last_call = time.monotonic()
-                t.calls += 1
+                results = self._sample_rows(mixable)
+            except Exception:  # noqa: BLE001 - each call again alone: a bad one fails alone
+                pass
+            else:
+                for call, result in zip(mixable, results, strict=True):
+                    call.result, call.done = result, True
+                self.together.append(len(mixable))
+        for call in batch:
+            if not call.done:
+                try:
+                    call.result = self._call(
+                        call.tenant,
+                        "sampler",
+                        "sample",
+                        call.prompts,
+                        call.max_new_tokens,
+                        call.temperature,
+                        call.seed,
+                    )
+                except Exception as exc:  # noqa: BLE001 - raised in the caller's thread
+                    call.error = exc
+                call.done = True
+
+    def _sample_rows(self, calls: list[_Sampling]) -> list[list[SampleResult]]:
+        """The calls' rows in one batch, each with its tenant's sampler adapter and a seed of
+        its own (its call's seed and its place in the call); each call's results."""
+        for call in calls:
+            self._unpark(self.tenants[call.tenant], keep={c.tenant for c in calls})
+        prompts, temperatures, seeds, adapters = [], [], [], []
+        for call in calls:
+            adapter = self.tenants[call.tenant].adapters["sampler"]
+            for i, prompt in enumerate(call.prompts):
+                prompts.append(prompt)
+                temperatures.append(call.temperature)
+                seeds.append((call.seed * 1_000_003 + i) % 2**63)
+                adapters.append(adapter)
+        leader = self.tenants[calls[0].tenant].workers["sampler"]
+        self.model.train(False)
+        torch.set_num_threads(leader.spec.torch_threads)
+        longest = max(call.max_new_tokens for call in calls)
+        with forward_autocast(leader.dtype, self.device):
+            rows = leader.sample_rows(prompts, longest, temperatures, seeds, adapters)
+        out, start = [], 0
+        now = time.monotonic()
+        for call in calls:
+            mine = rows[start : start + len(call.prompts)]
+            start += len(call.prompts)
+            out.append([_cut(r, call.max_new_tokens) for r in mine])
+            t = self.tenants[call.tenant]
+            t.last_call, t.calls = now, t.calls + 1
+        return out
+
+    # ------------------------------------------------------------- Tinker API models
+
+    def tinker_join(self, model_id: str, lora: dict[str, Any]) -> dict[str, int]:
+        """A Tinker API training model (``backends.tinker_engine.TinkerModel``, ``lora`` a
+        ``LoraSpec``'s fields) on this worker's base: its adapter, AdamW and RNG next to the
+        tenants'; the model's vocabulary size and context length."""
+        began = time.monotonic()
+        with self._lock:
+            self._tinker_drop(model_id, "left")
+            model = TinkerModel(self.shared, LoraSpec(**lora), name=model_id)
+            self.tinker[model_id] = _TinkerTenant(model)
+            self.events.append((model_id, "joined", time.time()))
+            self.join_s[model_id] = time.monotonic() - began
+        return {"vocab_size": model.vocab_size, "context_length": model.context_length}
+
+    def tinker_call(self, model_id: str, method: str, args: tuple, kwargs: dict) -> Any:
+        """``method`` of the Tinker model ``model_id`` (its adapter active while it runs)."""
+        with self._working():
+            t = self.tinker.get(model_id)
+            if t is None:
+                raise KeyError(f"{model_id!r} is not a model on this shared worker (unloaded)")
+            self.model.eval()  # Tinker's verbs: no dropout
+            torch.set_num_threads(self.spec.torch_threads)
+            t.last_call, t.calls = time.monotonic(), t.calls + 1
+            return getattr(t.model, method)(*args, **kwargs)
+
+    def tinker_leave(self, model_id: str) -> bool:
+        """Unload the Tinker model ``model_id`` (idempotent); True if it was here."""
+        with self._lock:
+            return self._tinker_drop(model_id, "left")
+
+    def _tinker_drop(self, model_id: str, why: str) -> bool:
+        t = self.tinker.pop(model_id, None)
+        if t is None:
+            return False
+        t.model.close()
+        self.events.append((model_id, why, time.time()))
+        self._idle_since = time.monotonic()
+        return True
 
     def sync(self, tenant: str) -> int:
         """``tenant``'s trainer weights into its sampler (a copy in this process)."""
-        weights = self.call_as(tenant, "trainer", "get_weights")
-        return self.call_as(tenant, "sampler", "set_weights", weights)
+        with self._working():
+            weights = self._call(tenant, "trainer", "get_weights")
+            return self._call(tenant, "sampler", "set_weights", weights)
 
     def restart(self, tenant: str, specs: dict[str, WorkerSpec]) -> bool:
         """``tenant`` built again from ``specs`` (``join`` afresh); always True."""
@@ -155,15 +339,21 @@ class SharedWorker:
 
     def stats(self) -> dict[str, Any]:
         """What the worker holds: its tenants (calls each), its pid, base loads, events (joins
-        and leaves) and each join's seconds."""
+        and leaves), each join's seconds, and how many calls each batch run together held."""
         with self._lock:
             tenants = {name: t.calls for name, t in self.tenants.items()}
+            tinker = {name: t.calls for name, t in self.tinker.items()}
         return {
             "tenants": tenants,
+            "tinker_models": tinker,
             "pid": os.getpid(),
             "base_loads": self.base_loads,
             "events": list(self.events),
             "join_s": dict(self.join_s),
+            "together": list(self.together),
+            "busy_s": self.busy_s,
+            "parked": sorted(name for name, t in self.tenants.items() if t.parked),
+            "parks": self.parks,
             "started": self.started,
             "base_path": self.path,
         }
@@ -178,13 +368,10 @@ class SharedWorker:
                 f"this shared worker holds {self.spec.model_uri!r}, not {spec.model_uri!r}"
             )
 
-    def _add_adapter(self, name: str, spec: WorkerSpec) -> None:
-        config = lora_config(spec)
-        if self.model is None:
-            self.model = get_peft_model(self.base, config, adapter_name=name).to(self.device)
-        else:
-            self.model.add_adapter(name, config)
-            self.model.to(self.device)
+    @property
+    def model(self) -> Any:
+        """The PeftModel: the base with every tenant's adapters (None before the first)."""
+        return self.shared.peft
 
     def _tenant(self, tenant: str) -> _Tenant:
         try:
@@ -195,16 +382,88 @@ class SharedWorker:
                 f"after {self.stale_after_s:.0f} s without a call)"
             ) from None
 
+    def _unpark(self, t: _Tenant, keep: set[str] = frozenset()) -> None:
+        """``t``'s tensors back in memory, exactly as parked, once others are parked to make
+        room (``_make_room``)."""
+        t.last_call = time.monotonic()
+        if not t.parked:
+            return
+        self._make_room(t, keep)
+        for key, value in load_file(t.parked).items():
+            kind, _, rest = key.partition(":")
+            if kind == "optim":  # "<param>/<state key>"; AdamW keeps its step on the CPU
+                param, _, state_key = rest.rpartition("/")
+                on = value if state_key == "step" else value.to(self.device)
+                self._optimizer(t).state[self._tensors(t)[param]][state_key] = on
+            elif kind == "grad":
+                self._tensors(t)[rest].grad = value.to(self.device)
+            else:
+                self._tensors(t)[rest].data = value.to(self.device)
+        os.unlink(t.parked)
+        t.parked = None
+
+    def _make_room(self, t: _Tenant | None, keep: set[str] = frozenset()) -> None:
+        """Park the least recently used tenants in memory (not ``t``, nor those in ``keep``)
+        until ``t`` fits among ``resident`` tenants in memory."""
+        if not self.resident:
+            return
+        others = [u for u in self.tenants.values() if u is not t and not u.parked]
+        movable = sorted((u for u in others if u.name not in keep), key=lambda u: u.last_call)
+        for u in movable[: max(0, len(others) + 1 - self.resident)]:
+            self._park(u)
+
+    def _park(self, t: _Tenant) -> None:
+        """``t``'s adapters, gradients and optimiser state to a file; its tensors emptied."""
+        out: dict[str, torch.Tensor] = {}
+        optimizer = self._optimizer(t)
+        for name, param in self._tensors(t).items():
+            out[f"data:{name}"] = param.data.to("cpu", copy=True)
+            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+            if param.grad is not None:
+                out[f"grad:{name}"] = param.grad.to("cpu", copy=True)
+                param.grad = None
+            for key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor):
+                    out[f"optim:{name}/{key}"] = value.to("cpu", copy=True)
+                    optimizer.state[param][key] = torch.empty(0, dtype=value.dtype)
+        t.parked = os.path.join(self._park_dir, f"{_safe(next(iter(t.adapters.values())))}.st")
+        save_file(out, t.parked)
+        self.parks += 1
+
+    def _tensors(self, t: _Tenant) -> dict[str, torch.nn.Parameter]:
+        """``t``'s adapter parameters by name (its two adapters: sampler's and trainer's)."""
+        marks = tuple(f".{adapter}." for adapter in t.adapters.values())
+        return {n: p for n, p in self.model.named_parameters() if any(m in n for m in marks)}
+
+    @staticmethod
+    def _optimizer(t: _Tenant) -> torch.optim.Optimizer:
+        return t.workers["trainer"].optimizer
+
     def _drop(self, tenant: str, why: str) -> bool:
         t = self.tenants.pop(tenant, None)
         if t is None:
             return False
+        if t.parked:
+            os.unlink(t.parked)
         for adapter in t.adapters.values():
             self.model.delete_adapter(adapter)
         self.events.append((tenant, why, time.time()))
-        if not self.tenants:
-            self._idle_since = time.monotonic()
+        self._idle_since = time.monotonic()
         return True
+
+    @contextlib.contextmanager
+    def _working(self) -> Iterator[None]:
+        """The worker's lock, for a call's work: the time it is held adds to ``busy_s``."""
+        with self._lock:
+            began = time.monotonic()
+            try:
+                yield
+            finally:
+                self.busy_s += time.monotonic() - began
+
+    def _empty(self) -> bool:
+        """No tenant and no Tinker model: idle since ``_idle_since``."""
+        return not self.tenants and not self.tinker
 
     def _watch(self) -> None:
         """Drop stale tenants; end the worker once it has been idle ``idle_timeout_s``."""
@@ -216,7 +475,10 @@ class SharedWorker:
                 for name, t in list(self.tenants.items()):
                     if now - t.last_call > self.stale_after_s:
                         self._drop(name, "dropped")
-                idle = not self.tenants and now - self._idle_since > self.idle_timeout_s
+                for name, m in list(self.tinker.items()):
+                    if now - m.last_call > self.stale_after_s:
+                        self._tinker_drop(name, "dropped")
+                idle = self._empty() and now - self._idle_since > self.idle_timeout_s
             if idle:
                 handle.do.remote("exit_if_idle")
                 return
@@ -224,7 +486,7 @@ class SharedWorker:
     def exit_if_idle(self) -> None:
         """End the actor (its GPU slots given back) unless a tenant joined meanwhile."""
         with self._lock:
-            if self.tenants:
+            if not self._empty():
                 threading.Thread(target=self._watch, name="shared-idle", daemon=True).start()
                 return
             self._slots.close()
@@ -234,3 +496,10 @@ class SharedWorker:
 def _safe(name: str) -> str:
     """An adapter name PEFT accepts (no dots: they are module paths)."""
     return name.replace(".", "_").replace(":", "_")
+
+
+def _cut(result: SampleResult, max_new_tokens: int) -> SampleResult:
+    """``result`` as a call with ``max_new_tokens`` would have it (its batch sampled longer)."""
+    if len(result.tokens) <= max_new_tokens:
+        return result
+    return SampleResult(result.tokens[:max_new_tokens], result.logprobs[:max_new_tokens], "length")

@@ -1,6 +1,8 @@
 """Where a Tinker session's model lives when sessions are flowrl jobs: the Ray actor that holds
 it (``TinkerActor``, started by the ``tinker-session`` flow run) and the service's side
-(``SessionPlacement``: submit the run, find its actor by name; ``RayHandle``: call it).
+(``SessionPlacement``: submit the run, find its actor by name; ``RayHandle``: call it). Or,
+``SharedWorkerPlacement``: each model a tenant of its base model's shared worker
+(``backends.shared_worker``), next to ``rl-train`` jobs' adapters.
 
 The actor is named ``tinker-<model>`` in Ray's ``flowrl`` namespace. One call at a time runs on
 the model, while ``poll`` (the flow run's supervision) waits for the metrics it records (loss per
@@ -92,13 +94,7 @@ class RayHandle:
         self.info = info
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        from ray.exceptions import RayTaskError
-
-        try:
-            return ray.get(self.actor.call.remote(method, args, kwargs))
-        except RayTaskError as e:
-            cause = getattr(e, "cause", None)
-            raise (cause if isinstance(cause, Exception) else e) from None
+        return _answer(self.actor.call.remote(method, args, kwargs))
 
     def close(self) -> None:
         try:
@@ -149,6 +145,86 @@ class SessionPlacement:
                 )
             time.sleep(0.5)
         raise TimeoutError(f"session run {run_id} did not start its model in {START_TIMEOUT_S} s")
+
+
+def _answer(ref: Any) -> Any:
+    """The call's result, or the error the model raised (a bad input stays a 4xx)."""
+    from ray.exceptions import RayTaskError
+
+    try:
+        return ray.get(ref)
+    except RayTaskError as e:
+        cause = getattr(e, "cause", None)
+        raise (cause if isinstance(cause, Exception) else e) from None
+
+
+class SharedWorkerPlacement:
+    """Each training model a tenant of the shared base-model worker of its base model
+    (``backends.shared_worker``: the Ray actor that ``rl-train`` jobs with
+    ``resources.placement: shared`` use): the base is held once for Tinker models and jobs
+    alike, each model holds its adapter, AdamW and RNG there, and one slot of the worker's
+    Prefect limit ``adapter-slots-<worker>`` while it is loaded (a model waits for one)."""
+
+    def __init__(self, cache_dir: str | None = None):
+        self.cache_dir = cache_dir or get_settings().model_cache_dir
+
+    def start(self, spec: dict[str, Any]) -> SharedModelHandle:
+        import contextlib
+
+        from flowrl.backends.actors import (
+            ActorResources,
+            SharedPlacement,
+            join_shared_worker,
+            shared_worker_name,
+        )
+        from flowrl.backends.tinker_service import resolve_base_model
+        from flowrl.backends.types import WorkerSpec
+        from flowrl.infra.scheduler import adapter_slots
+
+        _connect_ray()
+        settings = get_settings()
+        path = resolve_base_model(spec["base_uri"], self.cache_dir)
+        base = WorkerSpec(model_uri=path, cache_dir=self.cache_dir)
+        slot = contextlib.ExitStack()
+        name = shared_worker_name(base)
+        slot.enter_context(adapter_slots(f"adapter-slots-{name}", settings.shared_adapter_slots))
+        placement = SharedPlacement(
+            idle_timeout_s=settings.shared_idle_s,
+            mix_batches=settings.shared_mix_batches,
+            resident=settings.shared_resident,
+        )
+        try:
+            worker, info = join_shared_worker(
+                base, placement, ActorResources(), "tinker_join", spec["model_id"], spec["lora"]
+            )
+        except BaseException:
+            slot.close()
+            raise
+        actor = ray.get_actor(worker, namespace=RAY_NAMESPACE)
+        return SharedModelHandle(actor, worker, spec["model_id"], info, slot)
+
+
+class SharedModelHandle:
+    """The service's handle on a Tinker model that is a tenant of a shared worker."""
+
+    def __init__(self, actor: Any, worker: str, model_id: str, info: dict, slot: Any):
+        self.actor = actor
+        self.worker = worker
+        self.model_id = model_id
+        self.info = info
+        self._slot = slot
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _answer(self.actor.do.remote("tinker_call", self.model_id, method, args, kwargs))
+
+    def close(self) -> None:
+        """Unload the model (the worker goes on for its others) and give its slot back."""
+        try:
+            ray.get(self.actor.do.remote("tinker_leave", self.model_id), timeout=30)
+        except Exception:  # noqa: BLE001 - a worker already gone holds nothing
+            pass
+        finally:
+            self._slot.close()
 
 
 def _connect_ray() -> None:

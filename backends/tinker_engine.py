@@ -69,15 +69,25 @@ class SharedBase:
     as ``state_bytes`` writes them) and takes its place; the parked tenant is restored exactly
     on its next call."""
 
-    def __init__(self, base_path: str, device: str = "cpu", slots: int | None = None):
+    def __init__(
+        self,
+        base_path: str,
+        device: str | torch.device = "cpu",
+        slots: int | None = None,
+        loaded: tuple[torch.nn.Module, Any] | None = None,
+    ):
+        """``loaded``: the base model (float32, on ``device``) and its tokenizer, loaded already
+        (a shared base-model worker's, ``backends.shared_worker``); None loads them."""
         self.base_path = base_path
         self.device = torch.device(device)
         self.slots = slots
-        self.base = load_causal_lm(base_path, torch.float32).to(self.device)
+        if loaded is None:
+            loaded = (load_causal_lm(base_path, torch.float32).to(self.device), None)
+        self.base = loaded[0]
         self.modules = {n.rsplit(".", 1)[-1] for n, _ in self.base.named_modules()}
         self.vocab_size = int(self.base.get_output_embeddings().weight.shape[0])
         self.context_length = int(getattr(self.base.config, "max_position_embeddings", 0) or 0)
-        self.tokenizer = load_tokenizer(base_path)
+        self.tokenizer = loaded[1] or load_tokenizer(base_path)
         self.eos_ids = _eos_ids(self.base, self.tokenizer)
         self.peft: Any = None
         self.lock = threading.RLock()
@@ -85,6 +95,7 @@ class SharedBase:
         self.evictions = 0
 
     def add_adapter(self, name: str, lora: LoraSpec, seed: int) -> None:
+        """A Tinker model's adapter (Tinker's alpha, no dropout)."""
         config = LoraConfig(
             r=lora.rank,
             lora_alpha=LORA_ALPHA,
@@ -92,6 +103,11 @@ class SharedBase:
             target_modules=lora.target_modules(self.modules),
             task_type="CAUSAL_LM",
         )
+        self.add_lora(name, config, seed)
+
+    def add_lora(self, name: str, config: LoraConfig, seed: int) -> None:
+        """The adapter ``name`` of ``config`` on the base, initialised from ``seed`` alone (the
+        first one wraps the base in PEFT)."""
         with torch.random.fork_rng(devices=[]):  # the init depends on the seed alone
             torch.manual_seed(seed)
             if self.peft is None:

@@ -42,9 +42,11 @@ JOBS = 4
 STEPS = {"tiny": 20, "large": 8}
 LORA = ["model.lora.enabled=true", "model.lora.r=16", "model.lora.alpha=32"]
 MARK = "## rl-train jobs"
-SETUPS = ("shared", "shared-2t", "apart")
+SETUPS = ("shared", "shared-2t", "shared-unmixed", "apart")
+TRL_SETUPS = (("trl", "one after another"), ("trl-at-once", "four at once"))
 """shared-2t: the shared worker running two torch threads (``resources.torch_threads=2``), the
-cores that the apart setup's processes share between them."""
+cores that the apart setup's processes share between them; shared-unmixed: every sampling call
+alone (``FLOWRL_SHARED_MIX_BATCHES=false``), as before tenants' rows shared forward passes."""
 
 
 def warm_child(size: str) -> dict[str, Any]:
@@ -64,6 +66,7 @@ def warm_child(size: str) -> dict[str, Any]:
 def jobs_child(size: str, setup: str, model: str) -> dict[str, Any]:
     """Four rl-train jobs of one setup, submitted together in this process."""
     os.environ["FLOWRL_SHARED_ADAPTER_SLOTS"] = str(JOBS)
+    os.environ["FLOWRL_SHARED_MIX_BATCHES"] = str(setup != "shared-unmixed").lower()
     import ray
     from prefect.client.orchestration import get_client
 
@@ -103,18 +106,24 @@ def jobs_child(size: str, setup: str, model: str) -> dict[str, Any]:
         t.start()
     for t in threads:
         t.join()
+    four_done = time.time()
+    busy_s = 0.0
+    if setup != "apart":  # how the shared worker spent the four jobs' time
+        from flowrl.backends.actors import shared_worker_stats
+
+        (worker,) = [a["name"] for a in ray.util.list_named_actors(True) if "shared-" in a["name"]]
+        busy_s = shared_worker_stats(worker)["busy_s"]
     run(JOBS + 1)  # one more job, once the four are done: a shared worker is warm for it
     failed = {i: r for i, r in results.items() if isinstance(r, BaseException)}
     if failed:
         raise RuntimeError(f"jobs failed: {failed}")
     joins: dict[str, float] = {}
     joined_at: dict[str, float] = {}
+    together: list[int] = []
     if setup != "apart":
-        from flowrl.backends.actors import shared_worker_stats
-
-        (worker,) = [a["name"] for a in ray.util.list_named_actors(True) if "shared-" in a["name"]]
         stats = shared_worker_stats(worker)
         joins = stats["join_s"]
+        together = stats["together"]
         joined_at = {t: at for t, what, at in stats["events"] if what == "joined"}
     jobs = []
     for i, result in sorted(results.items()):
@@ -144,6 +153,8 @@ def jobs_child(size: str, setup: str, model: str) -> dict[str, Any]:
         "jobs": jobs,
         "late": late,
         "join_s": joins,
+        "together": together,
+        "worker_busy": busy_s / (four_done - min(submitted.values())),
         "samples": samples,
         "steps_window_s": window,
         "samples_per_s": samples / window,
@@ -178,6 +189,33 @@ def run_size(size: str, home: Path) -> dict[str, Any]:
         "steps": [r["steps"] for r in trl_runs],
         "jobs_wall_s": sum(r["wall_s"] for r in trl_runs),
     }
+    # The same four at once, each for the shared setup's whole wall time (memory allows).
+    at_once: dict[int, dict[str, Any]] = {}
+
+    def trl_at_once(seed: int) -> None:
+        argv = ["--side", "trl", "--size", size, "--seconds", f"{share * JOBS:.1f}"]
+        argv += ["--warm-model", warm, "--trl-seed", str(seed)]
+        argv += [a for o in LORA for a in ("--trl-set", o)]
+        at_once[seed] = run_child(f"{size}-trl-at-once-{seed}", argv, home, trl)
+
+    threads = [threading.Thread(target=trl_at_once, args=(i,)) for i in range(1, JOBS + 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if len(at_once) != JOBS:
+        raise RuntimeError(f"TRL at once: {JOBS - len(at_once)} processes failed")
+    together = [at_once[i] for i in sorted(at_once)]
+    runs["trl-at-once"] = {
+        "samples_per_s": sum(r["steps"] for r in together)
+        * per_step
+        / max(r["train_s"] for r in together),
+        "peak_pss_mb": sum(r["peak_pss_mb"] for r in together),
+        "to_first_step_s": [r["one_off"]["imports, model load, trainer init"] for r in together],
+        "accuracy_end": [r["accuracy_end"] for r in together],
+        "steps": [r["steps"] for r in together],
+        "jobs_wall_s": max(r["wall_s"] for r in together),
+    }
     return runs
 
 
@@ -192,9 +230,9 @@ def section(all_runs: dict[str, dict[str, Any]]) -> str:
         + ", ".join(f"{s} {STEPS[s]}" for s in all_runs)
         + "; shared and apart: the four submitted at the same instant, as flow runs of one "
         "process (one Prefect API, one Ray); TRL: four processes one after the other, each for "
-        "a quarter of the shared setup's wall time",
+        "a quarter of the shared setup's wall time, and four at once, each for all of it",
         "- peak PSS: the summed PSS of the whole process tree (Prefect API, Ray, actors), MB; "
-        "TRL: the largest of its four processes",
+        "TRL one after another: the largest of its four processes; at once: their sum",
         "- first step: from a job's submission to the end of its first RL step (TRL: process "
         "start to training start)",
         "",
@@ -203,21 +241,19 @@ def section(all_runs: dict[str, dict[str, Any]]) -> str:
         "|---|---|--:|--:|---|---|--:|",
     ]
     for size, runs in all_runs.items():
-        for setup in (s for s in SETUPS if s in runs):
-            r = runs[setup]
-            firsts = " / ".join(f"{j['to_first_step_s']:.1f}" for j in r["jobs"])
-            accs = " / ".join(f"{j['accuracy_end']:.2f}" for j in r["jobs"])
+        rows = [(setup, runs[setup]) for setup in SETUPS if setup in runs]
+        rows += [(f"TRL, {label}", runs[key]) for key, label in TRL_SETUPS if key in runs]
+        for label, r in rows:
+            jobs = r.get("jobs")  # flowrl's setups: per job; TRL's: per process
+            firsts = [j["to_first_step_s"] for j in jobs] if jobs else r["to_first_step_s"]
+            accs = [j["accuracy_end"] for j in jobs] if jobs else r["accuracy_end"]
             lines.append(
-                f"| {size} | {setup} | {r['samples_per_s']:.1f} | {r['peak_pss_mb']:.0f} | "
-                f"{firsts} s | {accs} | {r['jobs_wall_s']:.0f} s |"
+                f"| {size} | {label} | {r['samples_per_s']:.1f} | {r['peak_pss_mb']:.0f} | "
+                + " / ".join(f"{x:.1f}" for x in firsts)
+                + " s | "
+                + " / ".join(f"{x:.2f}" for x in accs)
+                + f" | {r['jobs_wall_s']:.0f} s |"
             )
-        t = runs["trl"]
-        firsts = " / ".join(f"{x:.1f}" for x in t["to_first_step_s"])
-        accs = " / ".join(f"{x:.2f}" for x in t["accuracy_end"])
-        lines.append(
-            f"| {size} | TRL, one after another | {t['samples_per_s']:.1f} | "
-            f"{t['peak_pss_mb']:.0f} | {firsts} s | {accs} | {t['jobs_wall_s']:.0f} s |"
-        )
     lines += [
         "",
         "A fifth job, submitted once the four are done (the shared worker still warm: it ends "
@@ -253,6 +289,22 @@ def section(all_runs: dict[str, dict[str, Any]]) -> str:
                 f"held-out accuracy {statistics.fmean(j['accuracy_end'] for j in s['jobs']):.3f} "
                 f"({statistics.fmean(j['accuracy_end'] for j in a['jobs']):.3f} apart, "
                 f"{statistics.fmean(runs['trl']['accuracy_end']):.3f} TRL)"
+            )
+    lines += [
+        "",
+        "Sampling calls of several tenants answered in one batch, and how busy the worker was "
+        "(shared setups; the jobs' time outside the worker is their agent loops, rewards and "
+        "flow runs in the driver process):",
+        "",
+    ]
+    for size, runs in all_runs.items():
+        for setup in (s for s in SETUPS if s in runs and s != "apart"):
+            together = runs[setup].get("together", [])
+            busy = runs[setup].get("worker_busy")
+            lines.append(
+                f"- {size}, {setup}: {len(together)} batches held {sum(together)} calls"
+                + (f" (mean {statistics.fmean(together):.1f} per batch)" if together else "")
+                + ("" if busy is None else f"; the worker ran calls {busy:.0%} of the jobs' wall")
             )
     lines += ["", READING]
     return "\n".join(lines) + "\n"

@@ -6,7 +6,7 @@
     flowrl infra up [--no-deployments]          # pool, queues, gpu limit, deployments
     flowrl stack up|down|status|env [--gpus N]  # local Prefect/worker/Ray/MLflow/S3
     flowrl jobs submit|status|list|cancel|wait|metrics|result ...
-    flowrl serve tinker [--keys-file F | --insecure-loopback] [--placement local|sessions]
+    flowrl serve tinker [--keys-file F | --insecure-loopback] [--placement local|sessions|shared]
     flowrl tinker models | tokenizer NAME --out DIR
 
 ``train`` validates the config before anything starts (a bad field fails at once, naming the
@@ -78,11 +78,13 @@ def _add_tinker_commands(sub) -> None:
     )
     api.add_argument(
         "--placement",
-        choices=["local", "sessions"],
+        choices=["local", "sessions", "shared"],
         default="local",
         help="local: models in this process; sessions: each training model a Prefect flow run "
         "of the tinker-session deployment, its weights in a Ray actor (needs the stack's "
-        "Prefect and Ray; `flowrl stack up` starts the service so).",
+        "Prefect and Ray; `flowrl stack up` starts the service so); shared: each training "
+        "model an adapter on its base model's shared worker, the one rl-train jobs with "
+        "resources.placement shared use (needs Prefect and Ray).",
     )
     api.add_argument(
         "--session-ttl",
@@ -295,6 +297,10 @@ def _tinker(args) -> int:
             from flowrl.backends.tinker_actor import SessionPlacement
 
             placement = SessionPlacement()
+        elif args.placement == "shared":
+            from flowrl.backends.tinker_actor import SharedWorkerPlacement
+
+            placement = SharedWorkerPlacement()
         else:
             from flowrl.backends.tinker_service import LocalPlacement
 

@@ -21,12 +21,14 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flowrl.backends.actors import (
     PolicyRef,
     SharedPolicy,
+    sampler,
     shared_worker_name,
     shared_worker_stats,
     stop_policy,
     worker_nodes,
 )
-from flowrl.backends.types import WorkerSpec
+from flowrl.backends.models import lora_export, resolve_model_uri
+from flowrl.backends.types import LoraSettings, WorkerSpec
 from flowrl.environments.remote import stop_env_pool
 from flowrl.flows.run_page import Column, Phase, RunPage
 from flowrl.infra import tracking
@@ -219,25 +221,49 @@ class JobRun:
         for policy in self._policies:
             stop_policy(policy)
 
-    def _spec(self, model_uri: str) -> WorkerSpec:
+    def _spec(self, model_uri: str, lora: LoraSettings | None = None) -> WorkerSpec:
+        settings = self.config.worker_settings() | ({"lora": lora} if lora else {})
         return WorkerSpec(
             model_uri=model_uri,
             cache_dir=self.ctx.cache_dir,
             seed=self.config.seed,
             dtype=self.config.worker_plan().dtype,
-            **self.config.worker_settings(),
+            **settings,
         )
 
+    def start_lora_version(self, model_uri: str) -> PolicyRef:
+        """A tenant of the shared worker of the base a LoRA version was trained on, sampling
+        with the version's own adapter (batch inference with ``resources.placement``
+        shared); the adapter slot is held for the rest of the run (``tenant_of``)."""
+        meta = lora_export(resolve_model_uri(model_uri, self.ctx.cache_dir))
+        if meta is None:
+            raise ValueError(
+                f"{model_uri} keeps no LoRA adapter (a full-parameter version, or one "
+                "registered before versions kept their adapter), so it cannot run on a shared "
+                "worker of its base: use resources.placement own"
+            )
+        base = meta["base_model"]
+        self.say(f"model: a LoRA adapter on {base}")
+        self.tenant_of(base)
+        policy = self.start_policy(base, lora=LoraSettings(**meta["lora"]))
+        sampler(policy).load_lora_export(model_uri)
+        return policy
+
     def start_policy(
-        self, model_uri: str, name: str | None = None, adopt: PolicyRef | None = None
+        self,
+        model_uri: str,
+        name: str | None = None,
+        adopt: PolicyRef | None = None,
+        lora: LoraSettings | None = None,
     ) -> PolicyRef:
         """Start a policy's workers with the job's resources, backends and optimiser settings
         (named ``name``, default the run name); they are stopped when the run ends. With
         ``adopt`` (warm-up's running workers, ``WarmupResult.workers``) those workers are
         restarted from ``model_uri`` instead, in their processes, as new ones would start;
         where a backend cannot restart they are stopped and new ones start. The Ray node of
-        each is a tag of the MLflow run (``node/sampler-0``, ``node/trainer``)."""
-        spec = self._spec(model_uri)
+        each is a tag of the MLflow run (``node/sampler-0``, ``node/trainer``). ``lora``: the
+        policy's LoRA settings, if not the job's (``start_lora_version``)."""
+        spec = self._spec(model_uri, lora)
         plan = self.config.worker_plan()
         policy = None
         if adopt is not None:

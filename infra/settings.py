@@ -97,6 +97,19 @@ class Settings(BaseSettings):
         description="Adapter slots of a shared base-model worker: tenants (rl-train jobs with "
         "resources.placement shared) it holds at once; the next waits in Prefect.",
     )
+    shared_resident: int = Field(
+        default=0,
+        ge=0,
+        description="Tenants whose adapters, gradients and optimiser state a shared base-model "
+        "worker keeps in memory at once; beyond it the least recently used is parked on the "
+        "worker's disk and restored exactly on its next call. 0 = all stay in memory.",
+    )
+    shared_mix_batches: bool = Field(
+        default=True,
+        description="Tenants' sampling calls that arrive together at a shared base-model worker "
+        "run as one batch (each row with its tenant's adapter and its own random stream); false: "
+        "each call alone, so a tenant samples bit for bit what workers of its own would.",
+    )
     shared_idle_s: float = Field(
         default=120.0,
         gt=0,

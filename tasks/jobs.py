@@ -377,9 +377,10 @@ class ResourcesSection(_Section, title="Resources"):
     placement: Literal["own", "shared"] = Field(
         default="own",
         description="own: the job's workers hold their own copy of the model. shared (rl-train "
-        "with model.lora): the job is a tenant of the shared worker of its base model, which "
-        "holds the base once for every such job and each job's adapter; the job holds one of "
-        "its adapter slots (Prefect limit adapter-slots-<worker>), the worker its GPU slots.",
+        "with model.lora, or batch inference of a LoRA version): the job is a tenant of the "
+        "shared worker of its base model, which holds the base once for every such job and "
+        "each job's adapter; the job holds one of its adapter slots (Prefect limit "
+        "adapter-slots-<worker>), the worker its GPU slots.",
     )
 
     @model_validator(mode="after")
@@ -437,6 +438,8 @@ class ResourcesSection(_Section, title="Resources"):
             gpus=self.gpus,
             idle_timeout_s=get_settings().shared_idle_s,
             prefect_api_url=PREFECT_API_URL.value() or None,
+            resident=get_settings().shared_resident,
+            mix_batches=get_settings().shared_mix_batches,
         )
 
 
@@ -496,6 +499,9 @@ class JobConfig(_Section):
 
     shared_placement: ClassVar[bool] = False
     """Whether this job kind can be a tenant of a shared worker (``resources.placement``)."""
+    shared_placement_trains: ClassVar[bool] = True
+    """Whether such a tenant trains its adapter (``model.lora`` then needed) or runs a LoRA
+    version's (batch inference)."""
 
     @model_validator(mode="after")
     def _shared_placement_for_lora_rl(self) -> JobConfig:
@@ -504,9 +510,10 @@ class JobConfig(_Section):
         if not type(self).shared_placement:
             raise ValueError(
                 "resources.placement shared is for rl-train jobs (a tenant trains a LoRA "
-                "adapter on the shared worker); use placement own"
+                "adapter on the shared worker) and batch inference of LoRA versions; use "
+                "placement own"
             )
-        if not self.model.lora.enabled:
+        if type(self).shared_placement_trains and not self.model.lora.enabled:
             raise ValueError(
                 "resources.placement shared trains a LoRA adapter on a shared base: set "
                 "model.lora.enabled true (or placement own for full-parameter training)"
@@ -685,7 +692,12 @@ def _registered_champion() -> ModelSection:
 
 
 class InferenceJobConfig(JobConfig):
-    """A batch-inference job: a registered model + an environment → scored episodes (JSONL)."""
+    """A batch-inference job: a registered model + an environment → scored episodes (JSONL).
+    With ``resources.placement: shared`` a LoRA version runs as an adapter on the shared
+    worker of its base model."""
+
+    shared_placement: ClassVar[bool] = True
+    shared_placement_trains: ClassVar[bool] = False
 
     name: str = Field(
         default="inference-demo",
