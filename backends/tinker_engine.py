@@ -31,9 +31,12 @@ import contextlib
 import io
 import math
 import secrets
+import shutil
+import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -65,9 +68,9 @@ class SharedBase:
     """A base model loaded once, frozen, and the LoRA adapters of its tenants (``TinkerModel``s,
     PEFT adapters by name): one tenant's adapter is active at a time, under ``lock``. With
     ``slots``, at most that many adapters are resident: a tenant that needs its adapter when the
-    slots are full parks the least recently used one (adapter, AdamW state, step count and RNG
-    as ``state_bytes`` writes them) and takes its place; the parked tenant is restored exactly
-    on its next call."""
+    slots are full parks the least recently used one (adapter, AdamW state and step count as
+    ``state_bytes`` writes them, and its gradients, to disk; its RNG) and takes its place; the
+    parked tenant is restored exactly on its next call."""
 
     def __init__(
         self,
@@ -93,6 +96,7 @@ class SharedBase:
         self.lock = threading.RLock()
         self.resident: OrderedDict[str, TinkerModel] = OrderedDict()  # least recently used first
         self.evictions = 0
+        self.park_dir = tempfile.mkdtemp(prefix="parked-")  # parked tenants' files
 
     def add_adapter(self, name: str, lora: LoraSpec, seed: int) -> None:
         """A Tinker model's adapter (Tinker's alpha, no dropout)."""
@@ -179,22 +183,31 @@ class TinkerModel:
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
         if self.parked is not None:
             parked, self.parked = self.parked, None
-            self._load(parked["files"], optimizer=True)
+            where = Path(parked["dir"])
+            files = {n: (where / n).read_bytes() for n in ("adapter.safetensors", "optimizer.pt")}
+            self._load(files, optimizer=True)
             self.generator.set_state(parked["rng"])
-            for param, grad in zip(self.params, parked["grads"], strict=True):
-                param.grad = grad
+            grads = adapter_from_bytes((where / "grads.safetensors").read_bytes())
+            for i, param in enumerate(self.params):
+                param.grad = grads[str(i)].to(self.device) if str(i) in grads else None
+            shutil.rmtree(where)
 
     def park(self) -> None:
-        """Keep the adapter, AdamW's state, the step count, the RNG and any accumulated
-        gradients, and free the adapter's slot (``unpark`` restores them bit for bit)."""
+        """Write the adapter, AdamW's state, the step count and any accumulated gradients to
+        disk (the files ``save_state`` writes, in a folder of the base's), keep the RNG, and
+        free the adapter's slot (``unpark`` restores them bit for bit)."""
         with self.base.lock:
             self.base.peft.set_adapter(self.name)
-            grads = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
-            self.parked = {
-                "files": self._files(True),
-                "rng": self.generator.get_state(),
-                "grads": grads,  # accumulated since the last optim_step: they stay too
+            where = Path(tempfile.mkdtemp(prefix="model-", dir=self.base.park_dir))
+            for name, data in self._files(True).items():
+                (where / name).write_bytes(data)
+            grads = {  # accumulated since the last optim_step: they stay too
+                str(i): p.grad.detach().cpu().contiguous()
+                for i, p in enumerate(self.params)
+                if p.grad is not None
             }
+            (where / "grads.safetensors").write_bytes(save_safetensors(grads))
+            self.parked = {"dir": str(where), "rng": self.generator.get_state()}
             self.base.peft.delete_adapter(self.name)
             self.params, self.optimizer = [], None
 
@@ -202,6 +215,8 @@ class TinkerModel:
         """Leave the base (the adapter's slot is freed; snapshots dropped)."""
         self.base.leave(self)
         self.snapshots.clear()
+        if self.parked is not None:
+            shutil.rmtree(self.parked["dir"], ignore_errors=True)
         self.parked = None
 
     # ----------------------------------------------------------------------- training
