@@ -40,7 +40,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -136,6 +136,7 @@ class SharedWorker:
         self.base_loads = 1
         self._idle_since = time.monotonic()
         self._lock = threading.Lock()
+        self._runner = ThreadPoolExecutor(1, thread_name_prefix="shared-work")
         self.mix_batches = mix_batches
         self._waiting: list[_Sampling] = []  # sampling calls not yet run (under _queue)
         self._queue = threading.Lock()
@@ -143,7 +144,7 @@ class SharedWorker:
         self.busy_s = 0.0  # seconds the worker has spent running calls
         self.resident = resident
         self.parks = 0  # tenants parked on disk so far (each restored on its next call)
-        self._park_dir = tempfile.mkdtemp(prefix="parked-", dir=base.cache_dir or None)
+        self._park_dir: str | None = None  # made when the first tenant is parked
         threading.Thread(target=self._watch, name="shared-idle", daemon=True).start()
 
     # ------------------------------------------------------------------------ tenants
@@ -151,34 +152,34 @@ class SharedWorker:
     def join(self, tenant: str, specs: dict[str, WorkerSpec]) -> float:
         """Add ``tenant`` with a sampler and a trainer built from ``specs`` (by role; LoRA on
         this worker's base); the seconds it took. A tenant of that name joins again afresh."""
-        began = time.monotonic()
-        with self._lock:
-            for spec in specs.values():
-                self._check(spec)
-            self._drop(tenant, "left")
-            self._make_room(None)
-            adapters = {role: f"{_safe(tenant)}-{role}" for role in specs}
-            with torch.random.fork_rng(devices=[]):  # the tenants' streams stay as they are
-                for role, spec in specs.items():
-                    # Both roles start from the same adapter weights (seeded).
-                    self.shared.add_lora(adapters[role], lora_config(spec), spec.seed)
-                workers = {}
-                for role, cls in (("sampler", HFSampler), ("trainer", TorchTrainer)):
-                    self.model.set_adapter(adapters[role])
-                    loaded = (self.model, self.tokenizer, self.path)
-                    workers[role] = cls(specs[role], loaded, adapters[role])
-                torch.manual_seed(specs["trainer"].seed)
-                rng = torch.get_rng_state()
-            now = time.monotonic()
-            self.tenants[tenant] = _Tenant(tenant, adapters, workers, dict(specs), rng, now, now)
-            self.events.append((tenant, "joined", time.time()))
-            self.join_s[tenant] = time.monotonic() - began
+        return self._work(self._join, tenant, specs, time.monotonic())
+
+    def _join(self, tenant: str, specs: dict[str, WorkerSpec], began: float) -> float:
+        for spec in specs.values():
+            self._check(spec)
+        self._drop(tenant, "left")
+        self._make_room(None)
+        adapters = {role: f"{_safe(tenant)}-{role}" for role in specs}
+        with torch.random.fork_rng(devices=[]):  # the tenants' streams stay as they are
+            for role, spec in specs.items():
+                # Both roles start from the same adapter weights (seeded).
+                self.shared.add_lora(adapters[role], lora_config(spec), spec.seed)
+            workers = {}
+            for role, cls in (("sampler", HFSampler), ("trainer", TorchTrainer)):
+                self.model.set_adapter(adapters[role])
+                loaded = (self.model, self.tokenizer, self.path)
+                workers[role] = cls(specs[role], loaded, adapters[role])
+            torch.manual_seed(specs["trainer"].seed)
+            rng = torch.get_rng_state()
+        now = time.monotonic()
+        self.tenants[tenant] = _Tenant(tenant, adapters, workers, dict(specs), rng, now, now)
+        self.events.append((tenant, "joined", time.time()))
+        self.join_s[tenant] = time.monotonic() - began
         return self.join_s[tenant]
 
     def leave(self, tenant: str) -> bool:
         """Remove ``tenant``'s adapters and workers (idempotent); True if it was here."""
-        with self._lock:
-            return self._drop(tenant, "left")
+        return self._work(self._drop, tenant, "left")
 
     def call_as(self, tenant: str, role: str, verb: str, *args: Any, **kwargs: Any) -> Any:
         """``verb`` of ``tenant``'s ``role`` worker, with its adapter active and its RNG; text
@@ -186,8 +187,7 @@ class SharedWorker:
         if self.mix_batches and role == "sampler" and verb == "sample" and not kwargs:
             if len(args) in (3, 4):  # prompts, max_new_tokens, temperature[, seed]
                 return self._sample(_Sampling(tenant, *args))
-        with self._working():
-            return self._call(tenant, role, verb, *args, **kwargs)
+        return self._work(self._call, tenant, role, verb, *args, **kwargs)
 
     def _call(self, tenant: str, role: str, verb: str, *args: Any, **kwargs: Any) -> Any:
         """``call_as`` under the worker's lock: one tenant's verb, alone."""
@@ -214,11 +214,14 @@ class SharedWorker:
         """Queue ``call``; whoever holds the worker next runs every queued call at once."""
         with self._queue:
             self._waiting.append(call)
-        with self._working():
-            if not call.done:
+
+        def run_waiting() -> None:
+            if not call.done:  # else answered together with an earlier call
                 with self._queue:
                     batch, self._waiting = self._waiting, []
                 self._run_together(batch)
+
+        self._work(run_waiting)
         if call.error is not None:
             raise call.error
         assert call.result is not None
@@ -289,30 +292,32 @@ class SharedWorker:
         """A Tinker API training model (``backends.tinker_engine.TinkerModel``, ``lora`` a
         ``LoraSpec``'s fields) on this worker's base: its adapter, AdamW and RNG next to the
         tenants'; the model's vocabulary size and context length."""
-        began = time.monotonic()
-        with self._lock:
-            self._tinker_drop(model_id, "left")
-            model = TinkerModel(self.shared, LoraSpec(**lora), name=model_id)
-            self.tinker[model_id] = _TinkerTenant(model)
-            self.events.append((model_id, "joined", time.time()))
-            self.join_s[model_id] = time.monotonic() - began
+        return self._work(self._tinker_join, model_id, lora, time.monotonic())
+
+    def _tinker_join(self, model_id: str, lora: dict[str, Any], began: float) -> dict[str, int]:
+        self._tinker_drop(model_id, "left")
+        model = TinkerModel(self.shared, LoraSpec(**lora), name=model_id)
+        self.tinker[model_id] = _TinkerTenant(model)
+        self.events.append((model_id, "joined", time.time()))
+        self.join_s[model_id] = time.monotonic() - began
         return {"vocab_size": model.vocab_size, "context_length": model.context_length}
 
     def tinker_call(self, model_id: str, method: str, args: tuple, kwargs: dict) -> Any:
         """``method`` of the Tinker model ``model_id`` (its adapter active while it runs)."""
-        with self._working():
-            t = self.tinker.get(model_id)
-            if t is None:
-                raise KeyError(f"{model_id!r} is not a model on this shared worker (unloaded)")
-            self.model.eval()  # Tinker's verbs: no dropout
-            torch.set_num_threads(self.spec.torch_threads)
-            t.last_call, t.calls = time.monotonic(), t.calls + 1
-            return getattr(t.model, method)(*args, **kwargs)
+        t = self.tinker.get(model_id)
+        if t is None:
+            raise KeyError(f"{model_id!r} is not a model on this shared worker (unloaded)")
+        t.last_call, t.calls = time.monotonic(), t.calls + 1
+        return self._work(self._tinker_call, t.model, method, *args, **kwargs)
+
+    def _tinker_call(self, model: TinkerModel, method: str, *args: Any, **kwargs: Any) -> Any:
+        self.model.eval()  # Tinker's verbs: no dropout
+        torch.set_num_threads(self.spec.torch_threads)
+        return getattr(model, method)(*args, **kwargs)
 
     def tinker_leave(self, model_id: str) -> bool:
         """Unload the Tinker model ``model_id`` (idempotent); True if it was here."""
-        with self._lock:
-            return self._tinker_drop(model_id, "left")
+        return self._work(self._tinker_drop, model_id, "left")
 
     def _tinker_drop(self, model_id: str, why: str) -> bool:
         t = self.tinker.pop(model_id, None)
@@ -325,9 +330,12 @@ class SharedWorker:
 
     def sync(self, tenant: str) -> int:
         """``tenant``'s trainer weights into its sampler (a copy in this process)."""
-        with self._working():
-            weights = self._call(tenant, "trainer", "get_weights")
-            return self._call(tenant, "sampler", "set_weights", weights)
+        return self._work(self._sync, tenant)
+
+    def _sync(self, tenant: str) -> int:
+        return self._call(
+            tenant, "sampler", "set_weights", self._call(tenant, "trainer", "get_weights")
+        )
 
     def restart(self, tenant: str, specs: dict[str, WorkerSpec]) -> bool:
         """``tenant`` built again from ``specs`` (``join`` afresh); always True."""
@@ -426,6 +434,9 @@ class SharedWorker:
                 if isinstance(value, torch.Tensor):
                     out[f"optim:{name}/{key}"] = value.to("cpu", copy=True)
                     optimizer.state[param][key] = torch.empty(0, dtype=value.dtype)
+        if self._park_dir is None:  # in the worker's model cache: room for the adapters
+            os.makedirs(self.spec.cache_dir, exist_ok=True)
+            self._park_dir = tempfile.mkdtemp(prefix="parked-", dir=self.spec.cache_dir)
         t.parked = os.path.join(self._park_dir, f"{_safe(next(iter(t.adapters.values())))}.st")
         save_file(out, t.parked)
         self.parks += 1
@@ -451,13 +462,14 @@ class SharedWorker:
         self._idle_since = time.monotonic()
         return True
 
-    @contextlib.contextmanager
-    def _working(self) -> Iterator[None]:
-        """The worker's lock, for a call's work: the time it is held adds to ``busy_s``."""
+    def _work(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` under the worker's lock, on its one work thread (the Ray
+        actor takes calls on many threads; tensors allocated on one keep the process's memory
+        in one allocator arena instead of one per thread); its time adds to ``busy_s``."""
         with self._lock:
             began = time.monotonic()
             try:
-                yield
+                return self._runner.submit(fn, *args, **kwargs).result()
             finally:
                 self.busy_s += time.monotonic() - began
 
