@@ -5,6 +5,8 @@
 - ``reasoning_gym:<dataset>`` — a dataset of reasoning-gym (the ``envs`` extra), any name of
   its own registry, or ``reasoning_gym:composite`` for several with weights
   (``environments.reasoning_gym``); the library is imported only when such a name is used;
+- ``textarena:<Game-v0>`` — a game of TextArena's registry (the ``envs`` extra), as a game
+  between agents (``environments.textarena``); imported only when such a name is used;
 - ``package.module:Attribute`` — imported from the job's Python path;
 - the name of an entry point in the group ``flowrl.environments`` of any installed package
   (flowrl's built-ins ``arithmetic``, ``tool_math``, ``gomoku`` and ``geometry`` are declared
@@ -49,6 +51,8 @@ CONTRACT = ("reset", "step", "get_system_prompt", "get_initial_user_message")
 TASK_METHODS = ("make_env", "train_source", "eval_set", "sft_example")
 REASONING_GYM_PREFIX = "reasoning_gym:"
 """``env.name`` prefix of reasoning-gym's datasets (``environments.reasoning_gym``)."""
+TEXTARENA_PREFIX = "textarena:"
+"""``env.name`` prefix of TextArena's games (``environments.textarena``)."""
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
@@ -86,6 +90,8 @@ def load(name: str) -> Loaded:
         raise EnvironmentLoadError(f"environment name must be a non-empty string, got {name!r}")
     if name.startswith(REASONING_GYM_PREFIX):
         target = _reasoning_gym_task(name)
+    elif name.startswith(TEXTARENA_PREFIX):
+        target = _textarena_game(name)
     elif ":" in name:
         target = _import_attribute(name)
     else:
@@ -117,6 +123,17 @@ def _reasoning_gym_task(name: str) -> Any:
     try:
         return reasoning_gym.task_class(dataset)
     except (reasoning_gym.ReasoningGymMissing, ValueError) as exc:
+        raise EnvironmentLoadError(f"environment {name!r}: {exc}") from None
+
+
+def _textarena_game(name: str) -> Any:
+    """The game class of ``textarena:<Game-v0>``; TextArena is imported here."""
+    from flowrl.environments import textarena
+
+    game = name[len(TEXTARENA_PREFIX) :]
+    try:
+        return textarena.game_class(game)
+    except (textarena.TextArenaMissing, ValueError) as exc:
         raise EnvironmentLoadError(f"environment {name!r}: {exc}") from None
 
 

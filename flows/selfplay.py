@@ -104,8 +104,12 @@ def self_play(config: SelfPlayJobConfig = SelfPlayJobConfig()) -> SelfPlayResult
                     job.log({f"{o}/{k}": v for k, v in metrics.items()}, step + 1)
                 if due(step, total, config.schedule.eval_every, at_end=True):
                     job.log(_evaluate(config, job, model_uri, refs, by_agent), step + 1)
+                # An agent can have no game in a step (a TextArena game's first player
+                # forfeiting by invalid moves before the second one moves): no outcome then.
                 outcomes = {
-                    f"{a}_outcome": duel.metrics[f"agent-{a}/outcome"] for a in config.agents
+                    f"{a}_outcome": duel.metrics[f"agent-{a}/outcome"]
+                    for a in config.agents
+                    if f"agent-{a}/outcome" in duel.metrics
                 }
                 job.advance(step + 1, **outcomes)
                 if due(step, total, config.schedule.checkpoint_every, at_end=True):

@@ -96,7 +96,8 @@ class EnvSection(_Section, title="Environment"):
         default="arithmetic",
         description="An installed environment's name (entry point group flowrl.environments: "
         "arithmetic, tool_math, gomoku, geometry, or a package's own), package.module:Class, "
-        "or reasoning_gym:<dataset> (the envs extra; env.params = the dataset's config).",
+        "reasoning_gym:<dataset> (the envs extra; env.params = the dataset's config), or "
+        "textarena:<Game-v0> (the envs extra; a game between agents).",
     )
     params: dict[str, Any] = Field(
         default_factory=dict,

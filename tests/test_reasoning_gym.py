@@ -8,13 +8,12 @@ import subprocess
 import sys
 
 import pytest
+import reasoning_gym  # noqa: F401 - the real library (the envs extra): never skipped
 from pydantic import ValidationError
 
 from flowrl.environments import reasoning_gym as rg_env
 from flowrl.environments.registry import EnvironmentLoadError, env_builder, load, make_task
 from flowrl.tasks.jobs import load_job
-
-reasoning_gym = pytest.importorskip("reasoning_gym")
 
 # One arithmetic, one algorithmic, one logic dataset: small configs keep them quick.
 DATASETS = {
