@@ -479,6 +479,8 @@ class SharedWorker:
 
     def _watch(self) -> None:
         """Drop stale tenants; end the worker once it has been idle ``idle_timeout_s``."""
+        if not ray.is_initialized():  # not a Ray actor (a benchmark's in-process worker)
+            return
         handle = ray.get_runtime_context().current_actor
         while True:
             time.sleep(min(1.0, self.idle_timeout_s / 4))
