@@ -184,10 +184,10 @@ class HFSampler:
         adapters: list[str],
     ) -> list[SampleResult]:
         """Sample one completion per prompt where each row has its own temperature, seed and
-        LoRA adapter (PEFT's mixed-adapter batch): rows of several tenants of a shared worker
-        in one forward pass. A row's randomness is its own (Gumbel-max noise from a generator
+        LoRA adapter (``_RowAdapters``): rows of several tenants of a shared worker in one
+        forward pass. A row's randomness is its own (Gumbel-max noise from a generator
         seeded by its seed), so which other rows share the batch changes none of its draws;
-        text only, LoRA on linear layers (``_RowAdapters``)."""
+        text only, LoRA on linear layers."""
         if not prompts:
             return []
         pad = pad_id(self.tokenizer)
