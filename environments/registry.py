@@ -88,10 +88,9 @@ def load(name: str) -> Loaded:
     """
     if not isinstance(name, str) or not name.strip():
         raise EnvironmentLoadError(f"environment name must be a non-empty string, got {name!r}")
-    if name.startswith(REASONING_GYM_PREFIX):
-        target = _reasoning_gym_task(name)
-    elif name.startswith(TEXTARENA_PREFIX):
-        target = _textarena_game(name)
+    prefix = next((p for p in LIBRARIES if name.startswith(p)), None)
+    if prefix is not None:
+        target = _library_target(name, prefix)
     elif ":" in name:
         target = _import_attribute(name)
     else:
@@ -115,25 +114,20 @@ def load(name: str) -> Loaded:
     return Loaded(name, target, _check_target(name, target))
 
 
-def _reasoning_gym_task(name: str) -> Any:
-    """The task config class of ``reasoning_gym:<dataset>``; reasoning-gym is imported here."""
-    from flowrl.environments import reasoning_gym
+LIBRARIES = {
+    REASONING_GYM_PREFIX: ("flowrl.environments.reasoning_gym", "task_class"),
+    TEXTARENA_PREFIX: ("flowrl.environments.textarena", "game_class"),
+}
+"""``env.name`` prefixes of shared libraries' environments: the adapter module and its function
+from the name after the prefix to the class (the library is imported only then)."""
 
-    dataset = name[len(REASONING_GYM_PREFIX) :]
+
+def _library_target(name: str, prefix: str) -> Any:
+    """The class ``<prefix><id>`` names, from its library's adapter (``LIBRARIES``)."""
+    module, builder = LIBRARIES[prefix]
     try:
-        return reasoning_gym.task_class(dataset)
-    except (reasoning_gym.ReasoningGymMissing, ValueError) as exc:
-        raise EnvironmentLoadError(f"environment {name!r}: {exc}") from None
-
-
-def _textarena_game(name: str) -> Any:
-    """The game class of ``textarena:<Game-v0>``; TextArena is imported here."""
-    from flowrl.environments import textarena
-
-    game = name[len(TEXTARENA_PREFIX) :]
-    try:
-        return textarena.game_class(game)
-    except (textarena.TextArenaMissing, ValueError) as exc:
+        return getattr(importlib.import_module(module), builder)(name[len(prefix) :])
+    except (ImportError, ValueError) as exc:  # not installed, or no such dataset or game
         raise EnvironmentLoadError(f"environment {name!r}: {exc}") from None
 
 
