@@ -163,8 +163,9 @@ def _dataset(name: str, config_json: str, seed: int, size: int) -> Any:
 
 
 def _coerce_enums(name: str, config: dict[str, Any]) -> dict[str, Any]:
-    """A config field typed as an ``Enum`` takes its value's name or value from YAML (e.g.
-    ``word_sorting``'s ``transformation: lowercase``); anything else passes as is."""
+    """A config field typed as an ``Enum``, or as a list of one, takes its values' names or
+    values from YAML (e.g. ``word_sorting``'s ``transformation: lowercase``, ``aiw``'s
+    ``task_types: [friends]``); anything else passes as is."""
     from reasoning_gym.factory import DATASETS
 
     if name not in DATASETS:
@@ -176,10 +177,23 @@ def _coerce_enums(name: str, config: dict[str, Any]) -> dict[str, Any]:
     out = dict(config)
     for key, value in config.items():
         hint = hints.get(key)
-        if isinstance(value, str) and isinstance(hint, type) and issubclass(hint, enum.Enum):
-            members = {m.name.lower(): m for m in hint} | {str(m.value).lower(): m for m in hint}
-            out[key] = members.get(value.lower(), value)
+        if _is_enum(hint) and isinstance(value, str):
+            out[key] = _member(hint, value)
+        elif typing.get_origin(hint) in (list, tuple) and isinstance(value, list):
+            item = (typing.get_args(hint) or (None,))[0]  # list[E], tuple[E, ...]
+            if _is_enum(item):
+                out[key] = [_member(item, v) if isinstance(v, str) else v for v in value]
     return out
+
+
+def _is_enum(hint: Any) -> bool:
+    return isinstance(hint, type) and issubclass(hint, enum.Enum)
+
+
+def _member(kind: type[enum.Enum], value: str) -> Any:
+    """The member of ``kind`` whose name or value is ``value`` (any case); else ``value``."""
+    members = {m.name.lower(): m for m in kind} | {str(m.value).lower(): m for m in kind}
+    return members.get(value.lower(), value)
 
 
 class DatasetSpec(BaseModel):
@@ -446,8 +460,8 @@ def _check_config(name: str, config: dict[str, Any]) -> None:
         raise ValueError(
             f"reasoning-gym dataset {name!r}: config is not JSON data: {exc}"
         ) from None
-    try:
-        _dataset(name, json.dumps(config, sort_keys=True), 0, 1)
+    try:  # built and one row drawn: some configs fail only when a row is drawn
+        _dataset(name, json.dumps(config, sort_keys=True), 0, 1)[0]
     except ReasoningGymMissing:
         raise
     except Exception as exc:

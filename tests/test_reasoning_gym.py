@@ -214,3 +214,13 @@ def test_an_enum_config_field_takes_text_as_yaml_gives_it():
     assert all(r["question"] for r in task.eval_set())
     words = task.eval_set()[0]["answer"].split(", ")
     assert all(w == w.upper() for w in words)
+
+
+def test_a_list_of_enums_takes_text_too_and_a_config_that_fails_on_a_row_fails_early():
+    """aiw's ``task_types: list[TaskType]`` from YAML text: the dataset draws the named kinds
+    only; a member name it does not know is refused before a job starts (the dataset fails
+    only when it draws a row, so the check draws one)."""
+    task = _task("aiw", eval_size=6, task_types=["friends"], task_type_weights=[1.0])
+    assert all("friend" in r["question"] for r in task.eval_set())
+    with pytest.raises(ValidationError, match="rejects its config"):
+        _task("aiw", eval_size=6, task_types=["cousins"], task_type_weights=[1.0])
