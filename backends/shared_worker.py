@@ -397,16 +397,17 @@ class SharedWorker:
         if not t.parked:
             return
         self._make_room(t, keep)
+        params, optimizer = self._tensors(t), self._optimizer(t)
         for key, value in load_file(t.parked).items():
             kind, _, rest = key.partition(":")
             if kind == "optim":  # "<param>/<state key>"; AdamW keeps its step on the CPU
                 param, _, state_key = rest.rpartition("/")
                 on = value if state_key == "step" else value.to(self.device)
-                self._optimizer(t).state[self._tensors(t)[param]][state_key] = on
+                optimizer.state[params[param]][state_key] = on
             elif kind == "grad":
-                self._tensors(t)[rest].grad = value.to(self.device)
+                params[rest].grad = value.to(self.device)
             else:
-                self._tensors(t)[rest].data = value.to(self.device)
+                params[rest].data = value.to(self.device)
         os.unlink(t.parked)
         t.parked = None
 
