@@ -1,11 +1,12 @@
 """A loopback TCP proxy in front of a real server that can go down on cue (fault injection).
 
 ``OutageProxy`` forwards every connection to an upstream server (the moto S3 endpoint) and
-notes the HTTP request lines it forwards. When a request line contains ``trigger``, that request
-is not forwarded: the proxy goes down for ``outage_s`` seconds (listening socket closed, every
-open connection reset), so clients see what they see when an S3 endpoint is stopped: refused
-connections. Then it listens again on the same port. The upstream keeps its data, like a real
-object store that restarts.
+notes the HTTP request lines it forwards. When a request line contains ``trigger`` (even one cut
+in two by the socket's chunking), that request is not forwarded: the proxy goes down for
+``outage_s`` seconds (listening socket closed, every open connection reset, all before the
+triggering connection is let go, so a client that retries at once is refused too), so clients
+see what they see when an S3 endpoint is stopped: refused connections. Then it listens again on
+the same port. The upstream keeps its data, like a real object store that restarts.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections.abc import Callable
 from flowrl.infra.servers import free_port
 
 _REQUEST_LINE = re.compile(rb"(GET|PUT|POST|HEAD|DELETE) (\S+) HTTP/1\.[01]")
+_TAIL = 4096  # longer than any request line the tests send
 
 
 class OutageProxy:
@@ -39,6 +41,7 @@ class OutageProxy:
         self.outage: tuple[float, float] | None = None
         """(start, end) of the outage, in time.monotonic() seconds."""
         self._fired = False
+        self._down = False  # from the trigger until the proxy listens again: nothing forwarded
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._listener: socket.socket | None = None
@@ -75,13 +78,13 @@ class OutageProxy:
         for conn in conns:
             _reset(conn)
 
-    def _outage(self) -> None:
-        start = time.monotonic()
-        self._go_down()
+    def _outage(self, start: float) -> None:
         if self.on_down is not None:
             self.on_down()
         time.sleep(max(0.0, self.outage_s - (time.monotonic() - start)))
         self.outage = (start, time.monotonic())
+        with self._lock:
+            self._down = False
         if not self._closed:
             self._listen()
 
@@ -100,16 +103,31 @@ class OutageProxy:
                 continue
             server.settimeout(None)
             with self._lock:
-                self._conns.update((client, server))
+                refused = self._down or self._listener is not listener
+                if not refused:
+                    self._conns.update((client, server))
+            if refused:  # accepted just as the proxy went down
+                _reset(client)
+                _reset(server)
+                return
             threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket, from_client: bool) -> None:
+        tail = b""  # the end of the last chunk: a request line may straddle two recv() chunks
         try:
             while data := src.recv(65536):
-                if from_client and self._inspect(data):
-                    threading.Thread(target=self._outage, daemon=True).start()
-                    return
+                if from_client:
+                    fire, down = self._inspect(tail, data)
+                    if fire:
+                        # Down before this thread lets go of the client: a client that retries
+                        # at once must find the port closed, not a listener still accepting.
+                        start = time.monotonic()
+                        self._go_down()
+                        threading.Thread(target=self._outage, args=(start,), daemon=True).start()
+                    if down:
+                        return  # the request, whole or cut short, never completes upstream
+                    tail = (tail + data)[-_TAIL:]
                 dst.sendall(data)
         except OSError:
             pass
@@ -117,15 +135,23 @@ class OutageProxy:
             for sock in (src, dst):
                 _reset(sock)
 
-    def _inspect(self, data: bytes) -> bool:
-        """Note request lines; True when this chunk should start the outage."""
+    def _inspect(self, tail: bytes, data: bytes) -> tuple[bool, bool]:
+        """Note request lines that end in this chunk; ``(fire, down)``: whether it starts the
+        outage, and whether the proxy is down (this chunk is then not forwarded).
+
+        ``tail`` (the end of the connection's earlier chunks) is looked at with it, so a request
+        line or trigger cut in two by the socket's chunking is still seen, and seen once.
+        """
         now = time.monotonic()
-        for match in _REQUEST_LINE.finditer(data):
-            self.requests.append((now, match.group(1).decode(), match.group(2).decode()))
+        window = tail + data
+        for match in _REQUEST_LINE.finditer(window):
+            if match.end() > len(tail):
+                self.requests.append((now, match.group(1).decode(), match.group(2).decode()))
         with self._lock:
-            fire = not self._fired and self.trigger in data
+            fire = not self._fired and self.trigger in window
             self._fired = self._fired or fire
-        return fire
+            self._down = self._down or fire
+            return fire, self._down
 
 
 def _reset(sock: socket.socket) -> None:
