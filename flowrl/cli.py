@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from flowrl import __version__
@@ -339,12 +340,19 @@ def _tinker(args) -> int:
 
 
 def _prepare(verbose: bool) -> None:
+    # SIGTERM (`kill`, a process manager) ends a run as Ctrl-C does: the job's clean-up runs and
+    # Prefect's API server, if this process started one, stops with it (by default it lives on).
+    signal.signal(signal.SIGTERM, _terminated)
     if not verbose:
         # Keep the terminal for the progress bar; the logs still reach the Prefect API.
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     from flowrl.infra.settings import get_settings
 
     get_settings().apply_to_environment()
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _train(config) -> int:

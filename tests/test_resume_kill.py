@@ -4,6 +4,7 @@ with a registered model version."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -100,3 +101,42 @@ def test_sigkilled_job_resumes_from_its_last_checkpoint(
     name, version = result["model_uri"].removeprefix("models:/").split("/")
     assert c.get_model_version(name, version).run_id == result["mlflow_run_id"]
     print(f"\nkilled after checkpoint {killed_after}; resumed; registered {result['model_uri']}")
+
+
+def test_a_terminated_run_leaves_nothing_running(tmp_path):
+    """SIGTERM to `flowrl train` (what `kill` or a process manager sends) ends it as Ctrl-C
+    does: exit status 143, and nothing it started lives on: not Prefect's API server (without
+    PREFECT_API_URL the command starts its own), not its local Ray, not its workers."""
+    import psutil
+
+    drop = ("PREFECT_API_URL", "FLOWRL_PREFECT_API_URL", "RAY_ADDRESS", "MLFLOW_TRACKING_URI")
+    drop += ("FLOWRL_STORAGE_URL",)
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    home = tmp_path / "home"
+    env |= {"FLOWRL_HOME": str(home), "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    latest = home / "storage" / "jobs" / "kill-job" / "checkpoints" / "LATEST.json"
+    log = tmp_path / "run.log"
+    job = start_job("train", ARGS, env, log)
+    started: dict[int, psutil.Process] = {}
+    commands: set[str] = set()
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and job.poll() is None and not latest.exists():
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(job.pid).children(recursive=True):
+                    if child.pid not in started:
+                        started[child.pid] = child
+                        commands.add(" ".join(child.cmdline()))
+            time.sleep(0.2)
+        assert latest.exists(), log.read_text()[-3000:]
+        assert any("raylet" in c for c in commands) and any("uvicorn" in c for c in commands)
+        job.send_signal(signal.SIGTERM)  # the command's own process, not its group
+        assert job.wait(120) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+        gone, alive = psutil.wait_procs(list(started.values()), timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+    finally:
+        if job.poll() is None:
+            job.kill()
+        for p in started.values():
+            with contextlib.suppress(psutil.Error):
+                p.kill()
