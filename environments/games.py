@@ -28,7 +28,7 @@ from typing import Any
 
 from flowrl.environments.plugin import PluginTask, play, train_seed_start
 from flowrl.environments.registry import Loaded, construct
-from flowrl.environments.types import StepResult
+from flowrl.environments.types import NoDemonstration, StepResult
 
 GAME_CONTRACT = (
     "reset",
@@ -72,6 +72,10 @@ def game_agents(game: Any, name: str = "game") -> tuple[str, ...]:
     return tuple(agents)
 
 
+class GameEnded(ValueError):
+    """The game ended before the policy's first move (an episode that cannot be played)."""
+
+
 class VersusOpponent:
     """A game seen from one side: the policy plays ``play_as``, the game's reference player
     (``opponent_move``) answers for the others. Reward per step is the policy's own move
@@ -94,7 +98,7 @@ class VersusOpponent:
         self.game.reset(**row)
         self._reference_moves()
         if self.game.current_agent() is None:
-            raise ValueError("the game ended before the policy's first move")
+            raise GameEnded("the game ended before the policy's first move")
         return self.game.observation(self.side)
 
     def get_system_prompt(self) -> str:
@@ -161,7 +165,10 @@ class GameTask(PluginTask):
         moves are asked for one at a time, after each observation (``plugin.play``)."""
         env = self.make_env()
         moves = (env.game.opponent_move(env.side) for _ in range(MAX_REFERENCE_MOVES))
-        messages = play(env, row, moves)
+        try:
+            messages = play(env, row, moves)
+        except GameEnded as ended:  # e.g. a poker hand folded before the policy's side acts
+            raise NoDemonstration(f"row {row}: {ended}") from ended
         if env.game.current_agent() is not None:
             raise RuntimeError(f"game {self.loaded.name!r}: the reference player never finished")
         return messages

@@ -142,5 +142,11 @@ class TaskConfig(Protocol):
         ...
 
     def sft_example(self, row: dict[str, Any]) -> list[dict[str, Any]]:
-        """A demonstration conversation for ``row`` (warm-up SFT)."""
+        """A demonstration conversation for ``row`` (warm-up SFT); ``NoDemonstration`` when
+        the row has none to give."""
         ...
+
+
+class NoDemonstration(Exception):
+    """``sft_example(row)`` has nothing to show for this row (e.g. a game that the reference
+    players end before the policy's first move): warm-up draws the next row instead."""

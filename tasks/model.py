@@ -33,7 +33,7 @@ from flowrl.environments import registry
 from flowrl.environments.data import ROW_FORMATS, StaticSource
 from flowrl.environments.plugin import play
 from flowrl.environments.timeouts import TimedEnv
-from flowrl.environments.types import TaskConfig
+from flowrl.environments.types import NoDemonstration, TaskConfig
 from flowrl.infra import tracking
 from flowrl.infra.scheduler import gpu_slots
 from flowrl.infra.storage import Storage
@@ -227,7 +227,22 @@ def _demonstrations(cfg: RLJobConfig, task_cfg: TaskConfig) -> Callable[[int], l
         source = StaticSource(chat_rows(cfg.warmup.data), seed=cfg.seed)
         return lambda n: [row["messages"] for row in source.next_batch(n)]
     rows = task_cfg.train_source()
-    return lambda n: [task_cfg.sft_example(row) for row in rows.next_batch(n)]
+
+    def next_batch(n: int) -> list[list]:
+        examples: list[list] = []
+        for _ in range(4 * n + 16):  # rows without a demonstration are skipped, a bounded few
+            try:
+                examples.append(task_cfg.sft_example(rows.next_batch(1)[0]))
+            except NoDemonstration:
+                continue
+            if len(examples) == n:
+                return examples
+        raise RuntimeError(
+            f"environment {cfg.env.name!r}: too few training rows have a demonstration "
+            f"({len(examples)} of {4 * n + 16} drawn); set warmup.data or turn warm-up off"
+        )
+
+    return next_batch
 
 
 @task(name="register", cache_policy=NO_CACHE)

@@ -127,6 +127,32 @@ def test_rl_sees_a_game_from_one_side_and_warmup_imitates_the_reference_player()
     assert games.agents == (P0, P1) and len(games.openings(0, 3)) == 3
 
 
+def test_warmup_skips_rows_whose_game_ends_before_the_policy_moves():
+    """One hand of poker: the reference player may fold before the policy's side acts; that
+    row has no demonstration (and cannot be played against the reference), and warm-up's
+    batches skip it instead of failing the job."""
+    from flowrl.environments.types import NoDemonstration
+    from flowrl.tasks.model import _demonstrations
+
+    config = load_job(
+        None,
+        ["env.name=textarena:Poker-v0", "env.params={num_rounds: 1}", "env.eval_size=4"],
+        SelfPlayJobConfig,
+    )
+    task = config.env.task(config.seed)
+    outcomes = []
+    for row in task.train_source().next_batch(12):
+        try:
+            outcomes.append(len(task.sft_example(row)) > 1)
+        except NoDemonstration as err:
+            assert "ended before the policy's first move" in str(err)
+            outcomes.append(False)
+    assert True in outcomes and False in outcomes  # both kinds among these rows
+    batch = _demonstrations(config, task)(8)
+    assert len(batch) == 8
+    assert all(m[-1]["role"] == "assistant" and m[-1]["content"] for m in batch)
+
+
 def test_an_unknown_game_lists_the_nearest_names():
     with pytest.raises(EnvironmentLoadError) as err:
         load("textarena:TicTacToe")
