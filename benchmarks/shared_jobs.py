@@ -328,7 +328,7 @@ READING = (
     "and flow runs in the driver process), while the four apart processes share both cores; "
     "batching tenants' sampling calls rarely applies, because a tenant's step is one sampling "
     "call and then its training calls, so the tenants drift out of step (8-16 batches of about "
-    "two calls per run), and when four calls do meet one batch is only ~1.25× faster than the "
+    "two calls per run), and when four calls do meet one batch is only 1.23-1.39× faster than the "
     "four one after another on this CPU (`docs/benchmarks/mixed_batch.md`). On a GPU the same "
     "batch is 1.55-1.97× faster than the four calls (an H200 in bfloat16, "
     "`docs/benchmarks/mixed_gpu.md`), and one adapter for all the rows another 1.9-2.1× faster "
