@@ -35,6 +35,8 @@ the game's state, never from message text:
 - ``Nim``: a uniformly random legal ``[pile quantity]``;
 - ``Poker``: a random passive legal move: ``[Check]`` when nothing is due, else ``[Call]`` or
   ``[Fold]`` (it never bets or raises);
+- ``KuhnPoker``: a uniformly random legal move of the hand's betting tree, ``[check]``,
+  ``[bet]``, ``[call]`` or ``[fold]``;
 - ``SimpleNegotiation``: no legal-move list, so a fixed policy: it never offers, accepts an
   offer it can pay that raises its own inventory value, and answers ``[Deny]`` otherwise.
 
@@ -146,6 +148,10 @@ def _poker(env: Any, player: int, rng: random.Random) -> str:
     return "[Check]" if due <= 0 else rng.choice(["[Call]", "[Fold]"])
 
 
+def _kuhn_poker(env: Any, player: int, rng: random.Random) -> str:
+    return f"[{rng.choice(sorted(env.state.game_state['current_legal_action_tree']))}]"
+
+
 def _negotiation(env: Any, player: int, rng: random.Random) -> str:
     state = env.state.game_state
     offer = state["current_offer"]
@@ -165,6 +171,7 @@ REFERENCE_PLAYERS: dict[str, ReferencePlayer] = {
     "textarena.envs.ConnectFour.env:ConnectFourEnv": _connect_four,
     "textarena.envs.Nim.env:NimEnv": _nim,
     "textarena.envs.Poker.env:PokerEnv": _poker,
+    "textarena.envs.KuhnPoker.env:KuhnPokerEnv": _kuhn_poker,
     "textarena.envs.SimpleNegotiation.env:SimpleNegotiationEnv": _negotiation,
 }
 """The reference player of each supported game class (its entry point), reading the game's

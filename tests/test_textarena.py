@@ -40,7 +40,7 @@ def _play_out(game, seed: int) -> list[str]:
     return moves
 
 
-@pytest.mark.parametrize("name", ["TicTacToe-v0", "ConnectFour-v0", "Nim-v0"])
+@pytest.mark.parametrize("name", ["TicTacToe-v0", "ConnectFour-v0", "Nim-v0", "KuhnPoker-v0"])
 def test_reference_players_play_whole_games_and_close_gives_the_outcome(name):
     loaded = load(f"textarena:{name}")
     assert loaded.is_game and not loaded.is_task_config
