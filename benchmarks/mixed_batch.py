@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shlex
 import statistics
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -118,14 +120,11 @@ def main() -> None:
         where = f"{torch.cuda.get_device_name()}, bfloat16"
     else:
         where = f"{os.cpu_count()} CPU cores, one torch thread, fp32"
-    command = "python benchmarks/mixed_batch.py" + (
-        f" --sizes {args.sizes}" if args.sizes != "tiny,large" else ""
-    )
-    out_name = f" --out {args.out}" if args.out else ""
+    command = shlex.join(["python", "benchmarks/mixed_batch.py", *sys.argv[1:]])
     lines = [
         "# Sampling calls of several tenants: one at a time against one batch",
         "",
-        f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; `{command}{out_name}`; {where}",
+        f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; `{command}`; {where}",
         f"- {TENANTS} LoRA tenants (rank 16) of one in-process shared worker, each calling for "
         f"{PROMPTS * GROUP} rows ({PROMPTS} prompts x {GROUP}), {TOKENS} new tokens, "
         f"temperature 1; median of {ROUNDS} rounds",

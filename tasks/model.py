@@ -230,7 +230,8 @@ def _demonstrations(cfg: RLJobConfig, task_cfg: TaskConfig) -> Callable[[int], l
 
     def next_batch(n: int) -> list[list]:
         examples: list[list] = []
-        for _ in range(4 * n + 16):  # rows without a demonstration are skipped, a bounded few
+        draws = 4 * n + 16  # rows without a demonstration are skipped, a bounded few
+        for _ in range(draws):
             try:
                 examples.append(task_cfg.sft_example(rows.next_batch(1)[0]))
             except NoDemonstration:
@@ -239,7 +240,7 @@ def _demonstrations(cfg: RLJobConfig, task_cfg: TaskConfig) -> Callable[[int], l
                 return examples
         raise RuntimeError(
             f"environment {cfg.env.name!r}: too few training rows have a demonstration "
-            f"({len(examples)} of {4 * n + 16} drawn); set warmup.data or turn warm-up off"
+            f"({len(examples)} of {draws} drawn); set warmup.data or turn warm-up off"
         )
 
     return next_batch
