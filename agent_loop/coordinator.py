@@ -106,14 +106,15 @@ def _play_round(
         stream.tokens += result.tokens
         stream.loss_mask += [1] * len(result.tokens)
         stream.logprobs += list(result.logprobs)
-        body = result.tokens[:-1] if result.finish_reason == "stop" else result.tokens
+        stopped = result.finish_reason == "stop"
+        body = result.tokens[:-1] if stopped else result.tokens
         closing = chat.closing(list(result.tokens))  # close the turn as a render would
         stream.tokens += closing
         stream.loss_mask += [0] * len(closing)
         stream.logprobs += [0.0] * len(closing)
         text = chat.decode(body)
         stream.messages.append({"role": "assistant", "content": text})
-        _apply(game, agent, chat.response(text), limits)
+        _apply(game, agent, chat.response(text), limits, stopped)
 
 
 def _prompt(game: _Game, agent: str, chat: ChatFormat) -> list[int]:
@@ -139,7 +140,7 @@ def _prompt(game: _Game, agent: str, chat: ChatFormat) -> list[int]:
     return list(stream.tokens)
 
 
-def _apply(game: _Game, agent: str, action: str, limits: LoopLimits) -> None:
+def _apply(game: _Game, agent: str, action: str, limits: LoopLimits, stopped: bool) -> None:
     stream = game.streams[agent]
     game.turns[agent] = game.turns.get(agent, 0) + 1
     try:
@@ -147,7 +148,7 @@ def _apply(game: _Game, agent: str, action: str, limits: LoopLimits) -> None:
     except Exception as exc:
         _fail(game, exc)
         return
-    stream.turn_rewards.append(float(result.reward))
+    stream.turn_rewards.append(limits.turn_reward(result.reward, stopped))
     stream.info.update(result.info)
     out_of_turns = game.turns[agent] >= limits.max_turns
     out_of_tokens = len(stream.tokens) + 8 >= limits.max_context_tokens

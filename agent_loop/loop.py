@@ -69,11 +69,23 @@ class LoopLimits:
     """Prompt + all turns, sampled and injected."""
     temperature: float = 1.0
     """Sampling temperature."""
+    unfinished_turn_reward: float = 0.0
+    """Added (<= 0) to the reward of a policy turn that ended without a stop token (cut by its
+    token budget): the turn's text is still the action, so without it nothing teaches the
+    policy to end its turns."""
 
     def __post_init__(self) -> None:
         for name in ("max_turns", "max_new_tokens", "max_context_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"LoopLimits.{name} must be >= 1, got {getattr(self, name)}")
+        if self.unfinished_turn_reward > 0:
+            raise ValueError(
+                f"LoopLimits.unfinished_turn_reward must be <= 0, got {self.unfinished_turn_reward}"
+            )
+
+    def turn_reward(self, reward: float, stopped: bool) -> float:
+        """A turn's reward: the environment's, plus the penalty of a turn cut unfinished."""
+        return float(reward) + (0.0 if stopped else self.unfinished_turn_reward)
 
 
 @dataclass
@@ -192,7 +204,7 @@ def _take_turn(
     if role not in OBSERVATION_ROLES:
         _fail(episode, ValueError(f"observation_role must be one of {OBSERVATION_ROLES}: {role!r}"))
         return
-    episode.traj.turn_rewards.append(float(step.reward))
+    episode.traj.turn_rewards.append(limits.turn_reward(step.reward, stopped))
     episode.env_info = info
     if step.done:
         _terminate(episode, StopReason.DONE)

@@ -296,6 +296,12 @@ class RolloutSection(_Section, title="Rollout"):
         default=8, ge=1, le=1_000_000, description="Token budget of one policy turn."
     )
     max_turns: int = Field(default=1, ge=1, description="Policy turns per episode.")
+    unfinished_turn_reward: float = Field(
+        default=0.0,
+        le=0,
+        description="Added to a turn's reward when the policy did not end it (cut at "
+        "max_new_tokens): teaches it to stop; 0 = off.",
+    )
     max_context_tokens: int = Field(
         default=256,
         ge=8,
@@ -311,6 +317,7 @@ class RolloutSection(_Section, title="Rollout"):
             max_new_tokens=self.max_new_tokens,
             max_context_tokens=self.max_context_tokens,
             temperature=0.0 if greedy else self.temperature,
+            unfinished_turn_reward=self.unfinished_turn_reward,
         )
 
 

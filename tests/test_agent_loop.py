@@ -181,6 +181,28 @@ def test_single_turn_cut_short_is_still_done_and_marked_truncated():
     assert traj.info == {"correct": False, "num_turns": 1, "truncated": True}
 
 
+@pytest.mark.parametrize("penalty", [0.0, -0.5])
+def test_a_turn_the_policy_did_not_end_is_charged_the_unfinished_turn_reward(penalty):
+    # "7" then the stop token fits the 2-token budget; "19" is right but cut before its stop.
+    rows = [{"question": "3+4=", "answer": "7"}, {"question": "12+7=", "answer": "19"}]
+    sampler = ScriptedSampler([[say("7"), say("19")]])
+    limits = LoopLimits(max_new_tokens=2, unfinished_turn_reward=penalty)
+
+    ended, cut = run_episodes(
+        [ArithmeticEnv(), ArithmeticEnv()], rows, [0, 1], sampler, CHAT, limits
+    )
+
+    assert ended.info["truncated"] is False and cut.info["truncated"] is True
+    assert ended.turn_rewards == [1.0]  # an ended turn pays nothing
+    assert cut.info["correct"] is True  # the cut text is still the action ...
+    assert cut.turn_rewards == [1.0 + penalty]  # ... and is charged for not ending
+
+
+def test_an_unfinished_turn_reward_above_zero_is_refused():
+    with pytest.raises(ValueError, match="unfinished_turn_reward must be <= 0"):
+        LoopLimits(unfinished_turn_reward=0.5)
+
+
 @pytest.mark.parametrize(("spare", "expected"), [(0, StopReason.MAX_TOKENS), (1, StopReason.DONE)])
 def test_observation_is_injected_only_if_a_reply_still_fits(spare, expected):
     prompt, first = user_prompt("guess 0-9"), say("3")

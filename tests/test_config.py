@@ -26,6 +26,9 @@ def test_shipped_configs_validate():
 def test_overrides_are_typed_and_nested():
     cfg = load_job(None, ["schedule.steps=7", "model.lora.enabled=true", "seed=3"])
     assert cfg.schedule.steps == 7 and cfg.model.lora.enabled is True and cfg.seed == 3
+    rollout = load_job(None, ["rollout.unfinished_turn_reward=-0.5"]).rollout
+    for limits in (rollout.limits(), rollout.limits(greedy=True)):  # training and evaluation
+        assert limits.unfinished_turn_reward == -0.5
     assert parse_overrides(["env.params.operators=['+', '-']"]) == {
         "env": {"params": {"operators": ["+", "-"]}}
     }
@@ -42,6 +45,7 @@ def test_overrides_are_typed_and_nested():
         (["env.params.max_operand=-5"], "max_operand"),  # bad environment parameter
         (["name=Has Spaces"], "name"),
         (["warmup.target_accuracy=1.5"], "warmup.target_accuracy"),
+        (["rollout.unfinished_turn_reward=0.5"], "rollout.unfinished_turn_reward"),  # a bonus
     ],
 )
 def test_bad_values_name_the_field(overrides, named):

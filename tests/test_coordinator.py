@@ -3,6 +3,7 @@ reward attribution, isolation of agents' token streams, shared-policy self-play,
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -23,8 +24,9 @@ class CellPolicy:
     """Plays a free cell read off the last board it was shown: the lowest (``pick=min``) or
     highest (``pick=max``) number; ``garbage`` answers something that is not a move."""
 
-    def __init__(self, name: str, pick=min, garbage: bool = False):
-        self.name, self.pick, self.garbage = name, pick, garbage
+    def __init__(self, name: str, pick=min, garbage: bool = False, ends: bool = True):
+        """``ends=False``: the move is cut at the token budget before its stop token."""
+        self.name, self.pick, self.garbage, self.ends = name, pick, garbage, ends
         self.calls: list[int] = []
         self.moves: list[str] = []
 
@@ -35,13 +37,16 @@ class CellPolicy:
             board = CHAT.decode(prompt).rsplit("<|user|>", 1)[1].split("<|end|>")[0]
             move = "?" if self.garbage else str(self.pick(int(c) for c in re.findall(r"\d", board)))
             self.moves.append(move)
-            out.append(SampleResult(say(move), [-0.1] * (len(move) + 1), "stop"))
+            tokens = say(move, stop=self.ends)
+            out.append(
+                SampleResult(tokens, [-0.1] * len(tokens), "stop" if self.ends else "length")
+            )
         return out
 
 
-def play(x, o, rows):
+def play(x, o, rows, limits=LIMITS):
     envs = [GomokuDuel(TASK) for _ in rows]
-    out = run_multiagent_episodes(envs, rows, {"X": x, "O": o}, CHAT, LIMITS)
+    out = run_multiagent_episodes(envs, rows, {"X": x, "O": o}, CHAT, limits)
     return envs, out
 
 
@@ -66,6 +71,16 @@ def test_rewards_go_to_the_right_player():
     for t in (tx, to):
         last = max(i for i, m in enumerate(t.loss_mask) if m)
         assert t.token_rewards()[last] == t.reward
+
+
+def test_only_the_agent_that_did_not_end_its_turns_is_charged_for_them():
+    limits = dataclasses.replace(LIMITS, unfinished_turn_reward=-0.25)
+    x, o = CellPolicy("X", min, ends=False), CellPolicy("O", max)
+    envs, out = play(x, o, [{"first": "X"}], limits)
+    assert envs[0].winner() == "X"  # X's cut moves are still its moves: it wins the top row
+    (tx,), (to,) = out["X"], out["O"]
+    assert tx.turn_rewards == [-0.25, -0.25, 0.75]
+    assert to.turn_rewards == [0.0, -1.0]
 
 
 def test_each_agent_trains_only_on_its_own_sampled_tokens():
