@@ -7,14 +7,15 @@ and every other job (``rl-train``, evaluation, warm-up) sees it from one side ag
 game's reference player. The library is imported only when such a name is used.
 
 **Mapping.** Two players, agents ``Player0`` and ``Player1`` (TextArena's player ids 0 and 1;
-player 0 moves first). The game is built from its registered entry point and keyword
-arguments, without TextArena's observation wrappers, and reset with ``seed`` = the row's seed
-(TextArena then seeds Python's global ``random``, as it always does). Each player's messages
-from the game are routed as TextArena addresses them: its ``PROMPT`` message becomes the
-player's system prompt, every later message (the game's, and the other player's moves as the
-game echoes them) is gathered until the player moves and shown as one user turn. The outcome
-is ``close()``'s rewards (+1/-1, 0 for a draw), as ``final_rewards()``; a game that flowrl's
-own caps stop before TextArena ends it scores 0 for every player.
+the game picks who opens: player 0, except in KuhnPoker's first hand). The game is built from
+its registered entry point and keyword arguments, without TextArena's observation wrappers,
+and reset with ``seed`` = the row's seed (TextArena then seeds Python's global ``random``, as
+it always does). Each player's messages from the game are routed as TextArena addresses
+them: its ``PROMPT`` message becomes the player's system prompt, every later message (the
+game's, and the other player's moves as the game echoes them) is gathered until the player
+moves and shown as one user turn. The outcome is ``close()``'s rewards (+1/-1, 0 for a
+draw), as ``final_rewards()``; a game that flowrl's own caps stop before TextArena ends it
+scores 0 for every player.
 
 **Invalid moves** are TextArena's to judge and handle: by its rules a player gets one retry
 (the game tells it why) and loses the game on a second invalid move in a row. flowrl counts
@@ -73,7 +74,7 @@ PREFIX = "textarena:"
 """``env.name`` prefix: ``textarena:<Game-v0>``."""
 INSTALL_HINT = "pip install 'flowrl[envs]'"
 AGENTS = ("Player0", "Player1")
-"""The agents of every TextArena game: its player ids 0 and 1 (player 0 moves first)."""
+"""The agents of every TextArena game: its player ids 0 and 1 (the game picks who opens)."""
 GAME_ID = -1
 """TextArena's sender id of the game's own messages (``textarena.GAME_ID``)."""
 NO_NEWS = "Your move."
