@@ -76,7 +76,7 @@ class _Section(BaseModel):
     """A config section. Its ``title`` (a class keyword) heads it in the Prefect UI's run form,
     which otherwise shows the class name."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class EnvDataSection(_Section, title="Environment data"):

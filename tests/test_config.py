@@ -46,6 +46,9 @@ def test_overrides_are_typed_and_nested():
         (["name=Has Spaces"], "name"),
         (["warmup.target_accuracy=1.5"], "warmup.target_accuracy"),
         (["rollout.unfinished_turn_reward=0.5"], "rollout.unfinished_turn_reward"),  # a bonus
+        (["rollout.unfinished_turn_reward=-inf"], "rollout.unfinished_turn_reward"),
+        (["algorithm.max_grad_norm=inf"], "algorithm.max_grad_norm"),  # no float is inf or nan
+        (["algorithm.clip_eps_high=nan"], "algorithm.clip_eps_high"),
     ],
 )
 def test_bad_values_name_the_field(overrides, named):
