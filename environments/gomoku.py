@@ -299,7 +299,7 @@ DEFAULT_SYSTEM_PROMPTS: dict[str, str] = {
 class GomokuTask(BaseModel):
     """Games against the heuristic opponent; a row is ``{"seed": s, "policy_first": bool}``."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     size: int = Field(9, ge=3, le=19, description="Board side length.")
     win_length: int = Field(5, ge=3, description="Stones in a row that win.")

@@ -199,7 +199,7 @@ def _member(kind: type[enum.Enum], value: str) -> Any:
 class DatasetSpec(BaseModel):
     """One dataset of a composite (reasoning-gym's ``DatasetSpec`` fields)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     name: str = Field(description="A reasoning-gym dataset name.")
     weight: float = Field(1.0, gt=0, description="Relative share of rows (train and held-out).")
@@ -364,7 +364,7 @@ class CompositeTask(ReasoningGymTask):
     """Several reasoning-gym datasets with weights as one environment
     (``env.name: reasoning_gym:composite``); no dataset config at the top level."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     dataset_name: ClassVar[str] = COMPOSITE
     datasets: list[DatasetSpec] = Field(

@@ -62,6 +62,7 @@ import contextlib
 import difflib
 import importlib
 import io
+import math
 import random
 import re
 from collections.abc import Callable
@@ -315,8 +316,10 @@ class TextArenaGame:
             raise TypeError("use textarena.game_class(game_id): TextArenaGame is abstract")
         if view not in ("all", "board"):
             raise ValueError(f"view must be 'all' or 'board', got {view!r}")
-        if invalid_move_reward > 0:
-            raise ValueError(f"invalid_move_reward must be <= 0, got {invalid_move_reward}")
+        if not math.isfinite(invalid_move_reward) or invalid_move_reward > 0:
+            raise ValueError(
+                f"invalid_move_reward must be a finite number <= 0, got {invalid_move_reward}"
+            )
         if max_action_chars < 1:
             raise ValueError(f"max_action_chars must be >= 1, got {max_action_chars}")
         spec = _registry()[self.game_id]

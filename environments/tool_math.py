@@ -164,7 +164,7 @@ class ToolMathTask(BaseModel):
     """Problems the tiny policy cannot do in its head (``a*b`` with two-digit operands, or
     ``a+b*c``) but can do by copying them into a calculator call and copying the result back."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     forms: list[ProblemForm] = Field(
         default_factory=lambda: ["a*b"], min_length=1, description="Problem shapes to draw from."

@@ -26,7 +26,7 @@ K8S_TEMPLATE = Path(__file__).parent / "k8s" / "base-job-template.json"
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class QueueSpec(_Spec):

@@ -49,6 +49,8 @@ def test_overrides_are_typed_and_nested():
         (["rollout.unfinished_turn_reward=-inf"], "rollout.unfinished_turn_reward"),
         (["algorithm.max_grad_norm=inf"], "algorithm.max_grad_norm"),  # no float is inf or nan
         (["algorithm.clip_eps_high=nan"], "algorithm.clip_eps_high"),
+        (["env.name=gomoku", "env.params.win_reward=inf"], "env.params.win_reward"),
+        (["env.name=tool_math", "env.params.format_reward=nan"], "env.params.format_reward"),
     ],
 )
 def test_bad_values_name_the_field(overrides, named):

@@ -185,6 +185,11 @@ def test_the_cli_refuses_such_a_config_before_a_job_starts(capsys):
         assert code == 2 and f"textarena:{name}" in err and cause in err
     with pytest.raises(ValidationError, match="unexpected keyword argument 'bogus'"):
         SelfPlayJobConfig(env={"name": "textarena:Nim-v0", "params": {"bogus": 1}})
+    for penalty in (0.5, float("-inf"), float("nan")):  # a reward, not a penalty; not finite
+        with pytest.raises(ValidationError, match="invalid_move_reward must be a finite number"):
+            SelfPlayJobConfig(
+                env={"name": "textarena:Nim-v0", "params": {"invalid_move_reward": penalty}}
+            )
 
 
 def test_the_selfplay_config_names_the_game_and_its_players():
