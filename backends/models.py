@@ -17,9 +17,11 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from flowrl.infra.configfile import STRICT_MODEL_CONFIG
 
 if TYPE_CHECKING:  # torch and the model classes load where weights do, not in the flow process
     import torch
@@ -71,7 +73,7 @@ the content as ``<tool_call>{json of the function}</tool_call>``."""
 class TinyVisionSpec(BaseModel, title="Tiny vision tower"):
     """Shape of the vision tower that makes a tiny model a LLaVA vision-language model."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = STRICT_MODEL_CONFIG
 
     enabled: bool = Field(
         False, description="Build a tiny LLaVA (CLIP vision tower + the Llama) that reads images."
@@ -107,7 +109,7 @@ class TinyVisionSpec(BaseModel, title="Tiny vision tower"):
 class TinyModelSpec(BaseModel, title="Tiny model"):
     """Shape of a tiny random-weight causal LM built offline for tests and CPU experiments."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = STRICT_MODEL_CONFIG
 
     architecture: Literal["llama"] = Field(
         "llama", description="Model family; Llama keeps the tokenizer round-trip exact."

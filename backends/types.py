@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
+
+from flowrl.infra.configfile import STRICT_MODEL_CONFIG
 
 Precision = Literal["auto", "float32", "bfloat16"]
 """``resources.dtype`` / ``WorkerSpec.dtype``; auto = bfloat16 on CUDA, float32 elsewhere
@@ -40,7 +42,7 @@ class Datum:
 class LoraSettings(BaseModel, title="LoRA"):
     """LoRA adapter settings (peft). Disabled means full-parameter training."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = STRICT_MODEL_CONFIG
 
     enabled: bool = Field(default=False, description="Train a LoRA adapter instead of all weights.")
     r: int = Field(default=16, ge=1, le=1024, description="LoRA rank.")
@@ -56,7 +58,7 @@ class LoraSettings(BaseModel, title="LoRA"):
 class WorkerSpec(BaseModel):
     """How a sampler or trainer worker is built (everything an actor needs, as small data)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = STRICT_MODEL_CONFIG
 
     model_uri: str = Field(description="HF model folder: local path, fsspec URL or models:/ URI.")
     cache_dir: str = Field(description="Local folder where remote models are copied.")

@@ -11,10 +11,11 @@ import random
 from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from flowrl.environments.data import GeneratedSource
 from flowrl.environments.types import StepResult
+from flowrl.infra.configfile import STRICT_MODEL_CONFIG
 
 Operator = Literal["+", "-", "*"]
 
@@ -61,7 +62,7 @@ class ArithmeticEnv:
 class ArithmeticTask(BaseModel):
     """Problems ``a op b =`` with ``a`` and ``b`` drawn from inclusive ranges."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = STRICT_MODEL_CONFIG
 
     min_operand: int = Field(0, ge=0, description="Smallest first operand.")
     max_operand: int = Field(99, ge=0, description="Largest first operand.")

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from flowrl.environments.data import GeneratedSource, StaticSource, load_rows
 from flowrl.environments.geometry_figures import (
@@ -34,6 +34,7 @@ from flowrl.environments.geometry_figures import (
     problem_space,
 )
 from flowrl.environments.types import StepResult
+from flowrl.infra.configfile import STRICT_MODEL_CONFIG
 
 _MAX_REDRAWS = 64
 """Random redraws of a held-out training problem before walking to the next free one."""
@@ -229,7 +230,7 @@ class GeometryEnv:
 class GeometryTask(BaseModel):
     """Geometry problems with figures: a Geometry3K-layout file, or generated ones."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = STRICT_MODEL_CONFIG
     shows_images: ClassVar[bool] = True
     """Its observations carry images: the policy must be a vision-language model."""
 

@@ -29,10 +29,11 @@ import random
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from flowrl.environments.data import GeneratedSource
 from flowrl.environments.types import StepResult
+from flowrl.infra.configfile import STRICT_MODEL_CONFIG
 
 EMPTY, PLAYER_X, PLAYER_O = 0, 1, 2
 MARKS = {EMPTY: ".", PLAYER_X: "X", PLAYER_O: "O"}
@@ -299,7 +300,7 @@ DEFAULT_SYSTEM_PROMPTS: dict[str, str] = {
 class GomokuTask(BaseModel):
     """Games against the heuristic opponent; a row is ``{"seed": s, "policy_first": bool}``."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = STRICT_MODEL_CONFIG
 
     size: int = Field(9, ge=3, le=19, description="Board side length.")
     win_length: int = Field(5, ge=3, description="Stones in a row that win.")

@@ -63,6 +63,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from flowrl.environments.data import GeneratedSource
 from flowrl.environments.types import StepResult
+from flowrl.infra.configfile import STRICT_MODEL_CONFIG
 
 PREFIX = "reasoning_gym:"
 """``env.name`` prefix: ``reasoning_gym:<dataset>``."""
@@ -199,7 +200,7 @@ def _member(kind: type[enum.Enum], value: str) -> Any:
 class DatasetSpec(BaseModel):
     """One dataset of a composite (reasoning-gym's ``DatasetSpec`` fields)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = STRICT_MODEL_CONFIG
 
     name: str = Field(description="A reasoning-gym dataset name.")
     weight: float = Field(1.0, gt=0, description="Relative share of rows (train and held-out).")
@@ -364,7 +365,7 @@ class CompositeTask(ReasoningGymTask):
     """Several reasoning-gym datasets with weights as one environment
     (``env.name: reasoning_gym:composite``); no dataset config at the top level."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = STRICT_MODEL_CONFIG
 
     dataset_name: ClassVar[str] = COMPOSITE
     datasets: list[DatasetSpec] = Field(

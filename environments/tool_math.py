@@ -27,11 +27,12 @@ import re
 from functools import lru_cache
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from flowrl.environments.calculator import CalculatorError, calculate
 from flowrl.environments.data import GeneratedSource
 from flowrl.environments.types import StepResult
+from flowrl.infra.configfile import STRICT_MODEL_CONFIG
 
 TOOL_NAME = "calculator"
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -164,7 +165,7 @@ class ToolMathTask(BaseModel):
     """Problems the tiny policy cannot do in its head (``a*b`` with two-digit operands, or
     ``a+b*c``) but can do by copying them into a calculator call and copying the result back."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = STRICT_MODEL_CONFIG
 
     forms: list[ProblemForm] = Field(
         default_factory=lambda: ["a*b"], min_length=1, description="Problem shapes to draw from."

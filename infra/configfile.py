@@ -7,9 +7,13 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 Config = TypeVar("Config", bound=BaseModel)
+
+STRICT_MODEL_CONFIG = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+"""The ``model_config`` of flowrl's settings models (job sections, environment parameters,
+worker specs): immutable, unknown keys refused, no ``inf`` or ``nan`` in a float field."""
 
 
 class ConfigError(ValueError):

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
+from flowrl.infra.configfile import STRICT_MODEL_CONFIG
 from flowrl.infra.settings import get_settings
 
 DEFAULT_FILE = Path(__file__).with_name("scheduler.yaml")
@@ -26,7 +27,7 @@ K8S_TEMPLATE = Path(__file__).parent / "k8s" / "base-job-template.json"
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = STRICT_MODEL_CONFIG
 
 
 class QueueSpec(_Spec):

@@ -15,7 +15,6 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import (
     AfterValidator,
     BaseModel,
-    ConfigDict,
     Field,
     PrivateAttr,
     ValidationInfo,
@@ -38,7 +37,7 @@ from flowrl.environments.data import ROW_FORMATS
 from flowrl.environments.plugin import check_environment
 from flowrl.environments.registry import EnvironmentLoadError, load, make_games, make_task
 from flowrl.environments.types import TaskConfig
-from flowrl.infra.configfile import Config, load_config
+from flowrl.infra.configfile import STRICT_MODEL_CONFIG, Config, load_config
 from flowrl.infra.redact import redact_text
 from flowrl.infra.settings import get_settings, scoped_model_name
 
@@ -76,7 +75,7 @@ class _Section(BaseModel):
     """A config section. Its ``title`` (a class keyword) heads it in the Prefect UI's run form,
     which otherwise shows the class name."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+    model_config = STRICT_MODEL_CONFIG
 
 
 class EnvDataSection(_Section, title="Environment data"):
