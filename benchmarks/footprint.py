@@ -51,6 +51,7 @@ def kind(proc: psutil.Process) -> str:
         (r"log_monitor\.py", "Ray log monitor"),
         (r"monitor\.py", "Ray autoscaler monitor"),
         (r"gcs_server", "Ray GCS"),
+        (r"default_worker\.py", "ray::IDLE"),  # a worker still starting (names its raylet)
         (r"raylet", "Ray raylet"),
     ):
         if re.search(pattern, cmd):
