@@ -32,7 +32,9 @@ When a turn ends without a stop token and the episode goes on, the first stop to
 (mask 0) to close the assistant message before the observation, as a rendered chat would.
 
 An exception from ``env.reset`` or ``env.step`` ends only that episode, with StopReason.ERROR
-and ``info["error"] = repr(exc)``; the other episodes carry on.
+and ``info["error"] = repr(exc)``; the other episodes carry on. A round's resets, and a turn's
+steps, are made together (``environments.timeouts.call_all``): a call that hangs does not hold
+up the others, and k hung calls cost about one timeout.
 """
 
 from __future__ import annotations
@@ -49,10 +51,12 @@ from flowrl.agent_loop.types import (
     Trajectory,
 )
 from flowrl.environments.plugin import first_user_message
+from flowrl.environments.timeouts import Failed, call_all, env_call
 from flowrl.environments.types import (
     OBSERVATION_ROLE_KEY,
     OBSERVATION_ROLES,
     Environment,
+    StepResult,
     shown_images,
 )
 
@@ -128,22 +132,27 @@ def run_episodes(
         _Episode(env, Trajectory(episode_id=eid, group_id=gid))
         for env, gid, eid in zip(envs, group_ids, ids, strict=True)
     ]
-    for episode, row in zip(episodes, rows, strict=True):
-        _start(episode, row, chat, limits)
+    resets = [env_call(env, "reset", _opening, **row) for env, row in zip(envs, rows, strict=True)]
+    openings = call_all(resets)
+    for episode, opening in zip(episodes, openings, strict=True):
+        _start(episode, opening, chat, limits)
     while generating := [e for e in episodes if e.state is FSMState.GENERATING]:
         _generate_round(generating, sampler, chat, limits)
     return [e.traj for e in episodes]
 
 
-def _start(episode: _Episode, row: dict[str, Any], chat: ChatFormat, limits: LoopLimits) -> None:
-    """PENDING: reset the env and render the opening messages."""
-    try:
-        user_message = first_user_message(episode.env, episode.env.reset(**row))
-        system_prompt = episode.env.get_system_prompt()
-        images = shown_images(episode.env)
-    except Exception as exc:  # any env failure ends only this episode
-        _fail(episode, exc)
+def _opening(env: Environment, reset: Any) -> tuple[str, str, list[bytes]]:
+    """After ``env.reset``: the first user message, the system prompt and the images shown."""
+    return first_user_message(env, reset), env.get_system_prompt(), shown_images(env)
+
+
+def _start(episode: _Episode, opening: Any, chat: ChatFormat, limits: LoopLimits) -> None:
+    """PENDING, after the env's reset (``_opening``'s, or ``Failed``): render the opening
+    messages."""
+    if isinstance(opening, Failed):  # any env failure ends only this episode
+        _fail(episode, _raised(opening))
         return
+    user_message, system_prompt, images = opening
     messages: list[dict[str, Any]] = (
         [{"role": "system", "content": system_prompt}] if system_prompt else []
     )
@@ -171,14 +180,19 @@ def _generate_round(
         results = sampler.sample(prompts, max(budgets), limits.temperature)
     if len(results) != len(episodes):
         raise RuntimeError(f"sampler returned {len(results)} results for {len(prompts)} prompts")
-    for episode, result, budget in zip(episodes, results, budgets, strict=True):
-        _take_turn(episode, result, budget, chat, limits)
+    turns = [_turn(e, r, b, chat) for e, r, b in zip(episodes, results, budgets, strict=True)]
+    calls = [
+        env_call(e.env, "step", _stepped, a) for e, (a, _) in zip(episodes, turns, strict=True)
+    ]
+    steps = call_all(calls)
+    for episode, (_, stopped), step in zip(episodes, turns, steps, strict=True):
+        _after_step(episode, step, stopped, chat, limits)
 
 
-def _take_turn(
-    episode: _Episode, result: SampleResult, budget: int, chat: ChatFormat, limits: LoopLimits
-) -> None:
-    """Append one turn's sampled tokens, step the env with their text, pick the next state."""
+def _turn(
+    episode: _Episode, result: SampleResult, budget: int, chat: ChatFormat
+) -> tuple[str, bool]:
+    """Append one turn's sampled tokens: (the action for the env, whether the turn stopped)."""
     if len(result.logprobs) != len(result.tokens):
         raise RuntimeError(
             f"sampler returned {len(result.tokens)} tokens but {len(result.logprobs)} logprobs"
@@ -192,13 +206,22 @@ def _take_turn(
     episode.closing = chat.closing(tokens)
     text = chat.decode(tokens[:-1] if stopped else tokens)
     episode.traj.messages.append({"role": "assistant", "content": text})
-    action = chat.response(text)
-    try:
-        step = episode.env.step(action)
-        images = [] if step.done else shown_images(episode.env)
-    except Exception as exc:  # any env failure ends only this episode
-        _fail(episode, exc)
+    return chat.response(text), stopped
+
+
+def _stepped(env: Environment, step: StepResult) -> tuple[StepResult, list[bytes]]:
+    """After ``env.step``: its result and the images the env shows with the observation."""
+    return step, ([] if step.done else shown_images(env))
+
+
+def _after_step(
+    episode: _Episode, stepped: Any, stopped: bool, chat: ChatFormat, limits: LoopLimits
+) -> None:
+    """Record the env's answer to a turn (``_stepped``'s, or ``Failed``); pick the next state."""
+    if isinstance(stepped, Failed):  # any env failure ends only this episode
+        _fail(episode, _raised(stepped))
         return
+    step, images = stepped
     info = dict(step.info)
     role = info.pop(OBSERVATION_ROLE_KEY, "user")
     if role not in OBSERVATION_ROLES:
@@ -260,6 +283,14 @@ def _terminate(episode: _Episode, reason: StopReason) -> None:
         "num_turns": episode.turns,
         "truncated": episode.truncated,
     }
+
+
+def _raised(failed: Failed) -> Exception:
+    """An env's exception, to end its episode; anything else (``KeyboardInterrupt``,
+    ``SystemExit``) goes on up."""
+    if not isinstance(failed.error, Exception):
+        raise failed.error
+    return failed.error
 
 
 def _fail(episode: _Episode, exc: Exception) -> None:

@@ -38,6 +38,8 @@ def kind(proc: psutil.Process) -> str:
         name, cmd = proc.name(), " ".join(proc.cmdline())
     except psutil.Error:
         return "gone"
+    if name in ("raylet", "gcs_server"):  # their command lines name other Ray programs
+        return {"raylet": "Ray raylet", "gcs_server": "Ray GCS"}[name]
     if name.startswith("ray::"):  # ray::SamplerWorker, ray::TrainerWorker, ray::IDLE, ...
         # A busy actor is named after its method (ray::Actor.call), a starting named one
         # after its name too (ray::job-sampler:Actor).

@@ -13,10 +13,12 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import psutil
 import ray
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from prefect.task_runners import ThreadPoolTaskRunner
+from ray._private import auto_init_hook
 
 from flowrl.backends.actors import (
     PolicyRef,
@@ -30,6 +32,7 @@ from flowrl.backends.actors import (
 from flowrl.backends.models import lora_export, resolve_model_uri
 from flowrl.backends.types import LoraSettings, WorkerSpec
 from flowrl.environments.remote import stop_env_pool
+from flowrl.environments.timeouts import abandoning_calls
 from flowrl.flows.run_page import Column, Phase, RunPage
 from flowrl.infra import tracking
 from flowrl.infra.redact import redact
@@ -53,8 +56,7 @@ class RayStageRunner(ThreadPoolTaskRunner):
 
     Entering it connects this process to Ray: the one already initialised (a notebook's, a
     test session's), else the cluster at ``FLOWRL_RAY_ADDRESS``, else a local Ray started with
-    only what a job needs (no dashboard, no prestarted workers); it stops only a Ray it
-    started."""
+    only what a job needs (``connect_ray``); it stops only a Ray it started."""
 
     def __init__(self, max_workers: int = 4):
         super().__init__(max_workers=max_workers)
@@ -66,15 +68,37 @@ class RayStageRunner(ThreadPoolTaskRunner):
         return self
 
     def __exit__(self, *exc_info: Any) -> None:
+        """Shut down a Ray it started, then wait for the stage threads. A run that is stopping
+        (an exception: SIGTERM, a cancel, a failed stage) does not wait out a stage's hung
+        environment calls: they are abandoned, and each stage thread ends at its next Ray or
+        environment call."""
+        stopping = exc_info[0] is not None
         try:
             if self._owns_ray and ray.is_initialized():
                 ray.shutdown()
         finally:
-            super().__exit__(*exc_info)
+            with abandoning_calls() if stopping else contextlib.nullcontext():
+                super().__exit__(*exc_info)
+
+
+LOCAL_RAY_SYSTEM_CONFIG = {
+    # Workers start when an actor asks for one: none sit idle beside the job.
+    "prestart_worker_first_driver": False,
+    # Ray's default is 15: on a small machine its workers (the policy's, that learn) then lose
+    # the CPU to every daemon around them.
+    "worker_niceness": 0,
+}
 
 
 def connect_ray() -> bool:
-    """Connect this process to Ray (see ``RayStageRunner``); True if it started one."""
+    """Connect this process to Ray (see ``RayStageRunner``); True if it started one.
+
+    Only here: from now on nothing in this process starts a Ray of its own (Ray's auto-init
+    is turned off), so a stage thread still running while a stopped job shuts its Ray down
+    fails at once instead of starting a second, fresh local Ray. A local Ray runs its workers
+    at niceness 0 and its daemons, with the embedded Prefect API, at
+    ``FLOWRL_RAY_DAEMON_NICENESS`` (``yield_cpu_to_workers``)."""
+    auto_init_hook.enable_auto_connect = False
     if ray.is_initialized():
         return False
     s = get_settings()
@@ -87,11 +111,32 @@ def connect_ray() -> bool:
     init |= {"num_cpus": s.ray_num_cpus, "include_dashboard": False}
     if s.ray_num_gpus is not None:
         init["num_gpus"] = s.ray_num_gpus
-    # Workers start when an actor asks for one: none sit idle beside the job.
-    init["_system_config"] = {"prestart_worker_first_driver": False}
+    init["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
     with _keep_sigterm_handler():
         ray.init(address="local", **init)
+    yield_cpu_to_workers(s.ray_daemon_niceness)
     return True
+
+
+def yield_cpu_to_workers(niceness: int) -> None:
+    """Raise the niceness of this process's helper daemons (a local Ray's, but its raylet, and
+    the embedded Prefect API) to ``niceness``; not the raylet, whose workers start at its own
+    niceness plus ``worker_niceness``, nor the workers themselves."""
+    if niceness <= 0:
+        return
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if _is_helper_daemon(proc) and proc.nice() < niceness:
+                proc.nice(niceness)
+
+
+def _is_helper_daemon(proc: psutil.Process) -> bool:
+    name, cmd = proc.name(), " ".join(proc.cmdline()[:4])
+    if name == "raylet" or "default_worker.py" in cmd:
+        return False
+    if cmd.startswith("ray::"):  # a worker (the policy's, a stage's), or one of raylet's agents
+        return cmd.startswith(("ray::DashboardAgent", "ray::RuntimeEnvAgent"))
+    return name == "gcs_server" or "/ray/" in cmd or ("uvicorn" in cmd and "prefect" in cmd)
 
 
 @contextlib.contextmanager

@@ -57,6 +57,14 @@ class Settings(BaseSettings):
         ge=0,
         description="GPUs of a local Ray; unset = detected (set it on CPU to simulate a pool).",
     )
+    ray_daemon_niceness: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description="Niceness of a local Ray's daemons (GCS, dashboard, agents, log and "
+        "autoscaler monitors) and of the embedded Prefect API the job started: on a small "
+        "machine they yield the CPU to the policy's workers, which run at 0. 0 = as the job.",
+    )
     mlflow_tracking_uri: str | None = Field(
         default=None,
         description="MLflow tracking URI; unset = sqlite:///<home>/mlflow.db.",

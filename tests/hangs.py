@@ -20,17 +20,27 @@ class Hanging:
     ``hang_s``) in ``reset`` or ``step`` when its row says ``hang="reset"`` / ``"step"``, or,
     with ``hang_every`` = k and a folder ``claims``, in ``step`` for ONE episode of each
     generated training row whose seed is 1 modulo k (the first episode to claim the seed in
-    ``claims`` hangs; its group's others do not). ``delay_s``: every reset takes this long."""
+    ``claims`` hangs; its group's others do not). ``delay_s``: every reset takes this long.
+    ``evaluating``: a folder; a held-out row's reset writes ``evaluating`` there and hangs."""
 
     def __init__(
-        self, hang_s: float = 3600.0, delay_s: float = 0.0, hang_every: int = 0, claims: str = ""
+        self,
+        hang_s: float = 3600.0,
+        delay_s: float = 0.0,
+        hang_every: int = 0,
+        claims: str = "",
+        evaluating: str = "",
     ) -> None:
         self.hang_s, self.delay_s = hang_s, delay_s
         self.hang_every, self.claims = hang_every, claims
+        self.evaluating = evaluating
         self.hang = ""
 
     def reset(self, seed: int = 0, hang: str = "") -> str:
         self.hang = hang or ("step" if self._claims(seed) else "")
+        if self.evaluating and seed < TRAIN_SEED_SPACING:
+            (Path(self.evaluating) / "evaluating").touch()
+            self.hang = "reset"
         time.sleep(self.delay_s)
         if self.hang == "reset":
             time.sleep(self.hang_s)

@@ -22,6 +22,7 @@ from services import start_env_service
 from flowrl.agent_loop.loop import LoopLimits, run_episodes
 from flowrl.agent_loop.types import SampleResult, StopReason
 from flowrl.environments.remote import EnvFactory, stop_env_pool
+from flowrl.environments.timeouts import EnvCall, Failed, call_all
 from flowrl.tasks.common import episode_metrics
 
 TIMEOUT_S = 2.0
@@ -81,6 +82,40 @@ def test_a_hung_call_fails_its_episode_alone_with_the_reason(mode, verb, env_ser
     assert seconds < TIMEOUT_S + 8, seconds  # waited for the deadline once, not forever
     if mode == "ray":
         stop_env_pool(f"hang-{verb}-envs", 2)
+
+
+@pytest.mark.parametrize("verb", ["reset", "step"])
+@pytest.mark.parametrize("mode", ("local", "http"))
+def test_k_hung_calls_in_a_round_cost_about_one_timeout(mode, verb, env_service):
+    """Four of eight episodes hang in the same round: their waits run side by side, so the
+    round takes about one timeout (k timeouts one after another would be 8 s)."""
+    rows = [{"seed": i} | ({"hang": verb} if i % 2 else {}) for i in range(8)]
+    trajectories, seconds = _play(_factory(mode, f"hang-k-{verb}", env_service), rows)
+
+    hung = [t for i, t in enumerate(trajectories) if i % 2]
+    assert all(f"{verb} timed out after 2 s" in t.info["error"] for t in hung)
+    assert all(t.stop_reason is StopReason.DONE for i, t in enumerate(trajectories) if i % 2 == 0)
+    assert seconds < 2 * TIMEOUT_S + 1.5, seconds
+
+
+def test_calls_that_return_at_once_run_in_order_on_one_thread():
+    """Fast calls keep their order (an environment sharing state between episodes sees what
+    it saw before) and cost no thread each; a raising call is handed back, not raised."""
+    order, threads = [], set()
+
+    def call(i: int):
+        order.append(i)
+        threads.add(threading.get_ident())
+        if i == 3:
+            raise ValueError("bad row")
+        return i * i
+
+    calls = [EnvCall(lambda i=i: call(i), 1.0, "step") for i in range(50)]
+    results = call_all(calls)
+
+    assert order == list(range(50)) and len(threads) == 1
+    assert isinstance(results[3], Failed) and str(results[3].error) == "bad row"
+    assert [r for i, r in enumerate(results) if i != 3] == [i * i for i in range(50) if i != 3]
 
 
 def test_ray_kills_the_hung_actor_and_the_pool_serves_on(local_ray):

@@ -140,3 +140,65 @@ def test_a_terminated_run_leaves_nothing_running(tmp_path):
         for p in started.values():
             with contextlib.suppress(psutil.Error):
                 p.kill()
+
+
+def test_sigterm_mid_evaluation_exits_in_seconds_without_a_second_ray(tmp_path):
+    """SIGTERM while the evaluation before RL waits on environment calls that hang (their
+    deadline ten minutes away): `flowrl train` exits within 15 s with status 143, its MLflow
+    run is FAILED, and no second local Ray is started on the way out (Ray's auto-init is off
+    once the job has connected)."""
+    import mlflow
+    import psutil
+
+    drop = ("PREFECT_API_URL", "FLOWRL_PREFECT_API_URL", "RAY_ADDRESS", "MLFLOW_TRACKING_URI")
+    drop += ("FLOWRL_STORAGE_URL",)
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    home = tmp_path / "home"
+    env |= {"FLOWRL_HOME": str(home), "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    args = [
+        "name=sigterm-eval",
+        "env.name=tests.hangs:Hanging",
+        f"env.params.evaluating={tmp_path}",
+        "env.step_timeout_s=600",
+        "env.eval_size=8",
+        "warmup.enabled=false",
+        "rollout.prompts_per_step=4",
+        "rollout.group_size=2",
+        "schedule.steps=2",
+    ]
+    log = tmp_path / "run.log"
+    job = start_job("train", args, env, log)
+    raylets: set[int] = set()
+
+    def watch() -> None:
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process(job.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if child.name() == "raylet":
+                        raylets.add(child.pid)
+
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and job.poll() is None:
+            watch()
+            if (tmp_path / "evaluating").exists():
+                break
+            time.sleep(0.2)
+        assert (tmp_path / "evaluating").exists(), log.read_text()[-3000:]
+        time.sleep(1.0)  # well inside the evaluation's hung resets
+        job.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        while job.poll() is None and time.monotonic() - signalled < 60:
+            watch()
+            time.sleep(0.1)
+        seconds = time.monotonic() - signalled
+        assert job.returncode == 128 + signal.SIGTERM, log.read_text()[-3000:]
+        assert seconds <= 15, (seconds, log.read_text()[-3000:])
+        assert len(raylets) == 1, raylets  # the job's own Ray, and no second one
+        client = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
+        runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+        assert [r.info.status for r in runs] == ["FAILED"], [r.info for r in runs]
+        print(f"\nSIGTERM mid-evaluation: exited in {seconds:.1f} s")
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
