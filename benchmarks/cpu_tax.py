@@ -14,7 +14,9 @@ Every 0.5 s the script reads each process's user + system CPU seconds from /proc
 by pid and start time, keeping the last value seen of processes that have since exited. A
 process is labelled by the most specific name it had (a Ray worker that became an actor is that
 actor, not ``ray::IDLE``). The share that matters is the policy's workers': the Ray actors that
-sample and train (``SamplerWorker``, ``TrainerWorker``, ``ColocatedWorker``, ``SharedHost``).
+sample and train (``SamplerWorker``, ``TrainerWorker``, ``ColocatedWorker``, ``SharedHost``);
+a second share adds the one-off Ray tasks that build the model and run the SFT warm-up
+(``ray::_located``), which are the policy's work too.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 FLOWRL = str(Path(sys.executable).with_name("flowrl"))
 POLICY_KINDS = ("ray::SamplerWorker", "ray::TrainerWorker", "ray::ColocatedWorker")
 POLICY_KINDS += ("ray::SharedHost", "ray::SharedWorker")
+ONE_OFF_KINDS = ("ray::_located",)  # one-off Ray tasks: the tiny model's build, the SFT warm-up
 VAGUE = ("ray::IDLE", "gone", "python", "python3")
 
 
@@ -197,8 +200,13 @@ def _stack_pids(state_file: Path) -> list[int]:
 def table(title: str, split: dict[str, tuple[int, float]]) -> str:
     total = sum(cpu for _, cpu in split.values())
     policy = sum(cpu for label, (_, cpu) in split.items() if label in POLICY_KINDS)
+    one_off = sum(cpu for label, (_, cpu) in split.items() if label in ONE_OFF_KINDS)
+    with_one_off = (
+        f", with the one-off model build and warm-up {100 * (policy + one_off) / total:.0f} %"
+    )
     lines = [
-        f"{title}: {total:.1f} CPU s; the policy's workers: **{100 * policy / total:.0f} %**",
+        f"{title}: {total:.1f} CPU s; the policy's workers: **{100 * policy / total:.0f} %**"
+        + (with_one_off if one_off else ""),
         "",
         "| process kind | processes | CPU s | share |",
         "|---|--:|--:|--:|",

@@ -6,6 +6,10 @@ from the same cached warm model with ``task.fn`` and in-process workers (no Pref
 Same seeds, so both sample the same tokens: the difference is orchestration.
 
     python benchmarks/step_time.py --steps 50 --out docs/benchmarks/step_time.md
+    python benchmarks/step_time.py --steps 20 --size large --out docs/benchmarks/step_time_3m.md
+
+``--size``: the default job (``tiny``) or ``benchmarks/trl_compare.py``'s ~3M-parameter one
+(``large``).
 """
 
 from __future__ import annotations
@@ -252,6 +256,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50, help="RL steps in each of the two runs.")
     parser.add_argument("--out", type=Path, help="Also write the markdown report here.")
     parser.add_argument("--home", type=Path, help="Empty folder for all state (default: new temp).")
+    parser.add_argument("--size", choices=("tiny", "large"), default="tiny")
     args = parser.parse_args()
     start = time.perf_counter()
     home = args.home or Path(tempfile.mkdtemp(prefix="flowrl-bench-"))
@@ -260,9 +265,12 @@ def main() -> None:
     if home.exists() and any(home.iterdir()):
         parser.error(f"--home {home} is not empty: the one-off costs need a cold start")
     set_environment(home)
+    from trl_compare import SIZES  # same folder; it imports this module, so only here
+
     from flowrl.tasks.jobs import load_job
 
     overrides = [
+        *SIZES[args.size].overrides,
         f"schedule.steps={args.steps}",
         f"schedule.eval_every={NEVER}",
         f"schedule.checkpoint_every={NEVER}",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import signal
 import threading
 import time
@@ -13,7 +14,6 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-import psutil
 import ray
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
@@ -35,6 +35,7 @@ from flowrl.environments.remote import stop_env_pool
 from flowrl.environments.timeouts import abandoning_calls
 from flowrl.flows.run_page import Column, Phase, RunPage
 from flowrl.infra import tracking
+from flowrl.infra.niceness import RAY_WORKER_NICENESS, yield_cpu_to_workers
 from flowrl.infra.redact import redact
 from flowrl.infra.scheduler import adapter_slots, gpu_slots
 from flowrl.infra.settings import get_settings
@@ -84,9 +85,7 @@ class RayStageRunner(ThreadPoolTaskRunner):
 LOCAL_RAY_SYSTEM_CONFIG = {
     # Workers start when an actor asks for one: none sit idle beside the job.
     "prestart_worker_first_driver": False,
-    # Ray's default is 15: on a small machine its workers (the policy's, that learn) then lose
-    # the CPU to every daemon around them.
-    "worker_niceness": 0,
+    "worker_niceness": RAY_WORKER_NICENESS,  # infra/niceness.py
 }
 
 
@@ -97,7 +96,7 @@ def connect_ray() -> bool:
     is turned off), so a stage thread still running while a stopped job shuts its Ray down
     fails at once instead of starting a second, fresh local Ray. A local Ray runs its workers
     at niceness 0 and its daemons, with the embedded Prefect API, at
-    ``FLOWRL_RAY_DAEMON_NICENESS`` (``yield_cpu_to_workers``)."""
+    ``FLOWRL_RAY_DAEMON_NICENESS`` (``infra.niceness``)."""
     auto_init_hook.enable_auto_connect = False
     if ray.is_initialized():
         return False
@@ -114,29 +113,8 @@ def connect_ray() -> bool:
     init["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
     with _keep_sigterm_handler():
         ray.init(address="local", **init)
-    yield_cpu_to_workers(s.ray_daemon_niceness)
+    yield_cpu_to_workers(os.getpid(), s.ray_daemon_niceness)
     return True
-
-
-def yield_cpu_to_workers(niceness: int) -> None:
-    """Raise the niceness of this process's helper daemons (a local Ray's, but its raylet, and
-    the embedded Prefect API) to ``niceness``; not the raylet, whose workers start at its own
-    niceness plus ``worker_niceness``, nor the workers themselves."""
-    if niceness <= 0:
-        return
-    for proc in psutil.Process().children(recursive=True):
-        with contextlib.suppress(psutil.Error):
-            if _is_helper_daemon(proc) and proc.nice() < niceness:
-                proc.nice(niceness)
-
-
-def _is_helper_daemon(proc: psutil.Process) -> bool:
-    name, cmd = proc.name(), " ".join(proc.cmdline()[:4])
-    if name == "raylet" or "default_worker.py" in cmd:
-        return False
-    if cmd.startswith("ray::"):  # a worker (the policy's, a stage's), or one of raylet's agents
-        return cmd.startswith(("ray::DashboardAgent", "ray::RuntimeEnvAgent"))
-    return name == "gcs_server" or "/ray/" in cmd or ("uvicorn" in cmd and "prefect" in cmd)
 
 
 @contextlib.contextmanager

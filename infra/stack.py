@@ -30,6 +30,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from flowrl.infra.niceness import RAY_WORKER_NICENESS, renice_tree, yield_cpu_to_workers
 from flowrl.infra.servers import TEST_CREDENTIALS, free_port, wait_for_http
 from flowrl.infra.settings import get_settings
 
@@ -309,7 +310,7 @@ def _start_all(state: StackState, gpus: int, deploy: bool, ray: bool, say: _Prog
         "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": str(REPOSSESSOR_LOOP_SECONDS),
     }
     cmd = [str(BIN / "prefect"), "server", "start", "--host", HOST, "--port", str(port)]
-    pid = _spawn("prefect", cmd, prefect_env, state, prefect_url)
+    _spawn("prefect", cmd, prefect_env, state, prefect_url)
     wait_for_http(f"{mlflow_url}/health", 120)
     say(f"MLflow server on {mlflow_url}")
     wait_for_http(f"{prefect_url}/health", 180)
@@ -338,11 +339,15 @@ def _start_all(state: StackState, gpus: int, deploy: bool, ray: bool, say: _Prog
         cmd += ["--port", str(port), "--num-cpus", str(get_settings().ray_num_cpus)]
         cmd += ["--num-gpus", str(gpus), "--include-dashboard", "false"]
         cmd += ["--disable-usage-stats", "--temp-dir", ray_tmp]
-        _spawn("ray", cmd, {"RAY_USAGE_STATS_ENABLED": "0"}, state, f"{HOST}:{port}")
+        cmd += ["--system-config", json.dumps({"worker_niceness": RAY_WORKER_NICENESS})]
+        ray_pid = _spawn("ray", cmd, {"RAY_USAGE_STATS_ENABLED": "0"}, state, f"{HOST}:{port}")
         _wait_tcp(port, 120)
+        yield_cpu_to_workers(ray_pid, get_settings().ray_daemon_niceness)
         say(f"Ray head on {HOST}:{port} ({gpus} GPUs)")
         # Ray 2.60 has token auth on by default; drivers joining the head must use it too.
         state.env |= {"FLOWRL_RAY_ADDRESS": f"{HOST}:{port}", "RAY_AUTH_MODE": "token"}
+    for name in ("moto", "mlflow", "prefect"):  # servers: the workers' CPU comes first
+        renice_tree(state.components[name].pid, get_settings().ray_daemon_niceness)
     state.save(state_file())
     _apply_infra(state, deploy)
     say("work pool, queues, gpu limit" + (", deployments" if deploy else ""))
