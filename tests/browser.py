@@ -1,8 +1,9 @@
 """Headless Chromium for the UI tests (``tests/test_ui.py``) and the screenshots they take.
 
-Playwright for Python drives the system's Chromium (Debian's ``chromium`` package, installed by
-``make setup``): Playwright's own browser download is not reachable from every machine, so it is
-never used. Each test gets a new browser context (no cookies, no local storage: a first visit).
+Playwright for Python drives the system's Chromium (Debian's ``chromium`` package, installed
+by ``make setup-test``): Playwright's own browser download is not reachable from every machine,
+so it is never used. Each test gets a new browser context (no cookies, no local storage: a
+first visit).
 """
 
 from __future__ import annotations
@@ -48,18 +49,18 @@ def why_no_browser() -> str | None:
     try:
         import playwright.sync_api  # noqa: F401
     except ImportError:
-        return "Playwright is not installed: pip install -e '.[dev]' (or make setup)"
+        return "Playwright is not installed: pip install -e '.[dev]' (or make setup-test)"
     if chromium_path() is None:
         return (
             "no Chromium at /usr/bin/chromium: install it with `apt-get install chromium` "
-            "(make setup does) or set FLOWRL_CHROMIUM to a Chromium binary"
+            "(make setup-test does) or set FLOWRL_CHROMIUM to a Chromium binary"
         )
     return None
 
 
 def require_browser() -> None:
     """Skip the calling test, printing what to install, where no browser can be installed; in
-    CI (``CI`` set), where ``make setup`` installs one, a missing browser fails instead."""
+    CI (``CI`` set), where ``make setup-test`` installs one, a missing browser fails instead."""
     import pytest
 
     reason = why_no_browser()

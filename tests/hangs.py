@@ -21,7 +21,8 @@ class Hanging:
     with ``hang_every`` = k and a folder ``claims``, in ``step`` for ONE episode of each
     generated training row whose seed is 1 modulo k (the first episode to claim the seed in
     ``claims`` hangs; its group's others do not). ``delay_s``: every reset takes this long.
-    ``evaluating``: a folder; a held-out row's reset writes ``evaluating`` there and hangs."""
+    ``evaluating``: a folder; a held-out row's reset writes ``evaluating`` there and hangs.
+    ``eval_hang_every`` = k: a held-out row whose seed is 1 modulo k hangs in ``step``."""
 
     def __init__(
         self,
@@ -30,10 +31,11 @@ class Hanging:
         hang_every: int = 0,
         claims: str = "",
         evaluating: str = "",
+        eval_hang_every: int = 0,
     ) -> None:
         self.hang_s, self.delay_s = hang_s, delay_s
         self.hang_every, self.claims = hang_every, claims
-        self.evaluating = evaluating
+        self.evaluating, self.eval_hang_every = evaluating, eval_hang_every
         self.hang = ""
 
     def reset(self, seed: int = 0, hang: str = "") -> str:
@@ -41,6 +43,9 @@ class Hanging:
         if self.evaluating and seed < TRAIN_SEED_SPACING:
             (Path(self.evaluating) / "evaluating").touch()
             self.hang = "reset"
+        k = self.eval_hang_every
+        if k and seed < TRAIN_SEED_SPACING and seed % k == 1 % k:
+            self.hang = "step"
         time.sleep(self.delay_s)
         if self.hang == "reset":
             time.sleep(self.hang_s)

@@ -1,7 +1,7 @@
 """``tinker-cookbook``'s supervised path, unchanged, against flowrl's Tinker service.
 
 The cookbook (0.5.8) pins ``transformers<=5.5.4`` and cannot share flowrl's venv, so it runs
-where a user's would: a thin client venv (``.venv-client``, built by ``make setup`` from
+where a user's would: a thin client venv (``.venv-client``, built by ``make setup-test`` from
 tests/tinker_client_requirements.txt) that has only ``tinker``, the cookbook and their
 dependencies. The client (tests/tinker_cookbook_client.py) renders chats with the cookbook's
 ``qwen3`` renderer over a tiny Qwen3-family fixture (tests/families.py), turns them into datums
@@ -78,7 +78,7 @@ def test_cookbook_sft_on_qwen3_fixture(server: tuple[str, str], tmp_path: Path) 
     python = CLIENT_VENV / "bin" / "python"
     if not python.exists():
         pytest.fail(
-            f"no thin Tinker client venv at {CLIENT_VENV}: run `make setup` (it builds "
+            f"no thin Tinker client venv at {CLIENT_VENV}: run `make setup-test` (it builds "
             ".venv-client from tests/tinker_client_requirements.txt)"
         )
     url, folder = server
@@ -111,7 +111,7 @@ def test_cookbook_sft_on_qwen3_fixture(server: tuple[str, str], tmp_path: Path) 
         timeout=300,
     )
     if done.returncode != 0 and "ModuleNotFoundError" in done.stderr:
-        pytest.fail(f"{CLIENT_VENV} lacks a package: run `make setup`\n{done.stderr[-3000:]}")
+        pytest.fail(f"{CLIENT_VENV} lacks a package: run `make setup-test`\n{done.stderr[-3000:]}")
     assert done.returncode == 0, done.stderr[-6000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     print(json.dumps({"nll": [round(s["nll"], 4) for s in report["steps"]]}))  # shown with -s

@@ -2,7 +2,7 @@
 
 The service runs in this process (uvicorn in a thread, on a free loopback port, one API key);
 each example runs as a subprocess of the thin client venv (``.venv-client``: the SDK without
-flowrl, built by ``make setup``) with only ``TINKER_BASE_URL`` / ``TINKER_API_KEY`` and a
+flowrl, built by ``make setup-test``) with only ``TINKER_BASE_URL`` / ``TINKER_API_KEY`` and a
 tokenizer folder from ``flowrl tinker tokenizer``, as a user's script would. The subprocesses
 inherit this process's environment, so the kernel pinning of conftest.py applies to them too
 (the model itself runs here, in the service).
@@ -79,7 +79,7 @@ def _run_example(name: str, base_url: str, tokenizer: Path, *args: str) -> dict:
     env = os.environ | {"TINKER_BASE_URL": base_url, "TINKER_API_KEY": KEY}
     python = ROOT / ".venv-client" / "bin" / "python"  # a thin client: the SDK, no flowrl
     if not python.exists():
-        pytest.fail(f"no thin client venv at {python.parent.parent}: run `make setup`")
+        pytest.fail(f"no thin client venv at {python.parent.parent}: run `make setup-test`")
     done = subprocess.run(
         [str(python), str(EXAMPLES / name), "--tokenizer", str(tokenizer), "--json", *args],
         env=env,

@@ -9,7 +9,7 @@
   version's lineage. Every page fails the test if it says "Can't connect" (the Prefect UI's
   message when it cannot reach its API).
 
-Without a Chromium (``apt-get install chromium``, which ``make setup`` does) the browser tests
+Without a Chromium (``apt-get install chromium``, which ``make setup-test`` does) the browser tests
 skip, saying so. With ``FLOWRL_SCREENSHOTS=docs/screenshots`` they also write the README
 walkthrough's screenshots there.
 """
