@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import os
 import signal
 import threading
 import time
@@ -95,8 +94,8 @@ def connect_ray() -> bool:
     Only here: from now on nothing in this process starts a Ray of its own (Ray's auto-init
     is turned off), so a stage thread still running while a stopped job shuts its Ray down
     fails at once instead of starting a second, fresh local Ray. A local Ray runs its workers
-    at niceness 0 and its daemons, with the embedded Prefect API, at
-    ``FLOWRL_RAY_DAEMON_NICENESS`` (``infra.niceness``)."""
+    at niceness 0 and its helper daemons at ``FLOWRL_RAY_DAEMON_NICENESS``
+    (``infra.niceness``)."""
     auto_init_hook.enable_auto_connect = False
     if ray.is_initialized():
         return False
@@ -113,8 +112,18 @@ def connect_ray() -> bool:
     init["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
     with _keep_sigterm_handler():
         ray.init(address="local", **init)
-    yield_cpu_to_workers(os.getpid(), s.ray_daemon_niceness)
+    yield_cpu_to_workers(_started_here(), s.ray_daemon_niceness)
     return True
+
+
+def _started_here() -> list[int]:
+    """The processes of the local Ray this process just started (GCS, monitors, dashboard,
+    raylet: its agents and workers are the raylet's children), nothing else it may have
+    started."""
+    with contextlib.suppress(AttributeError):  # Ray's node: not a public API
+        node = ray._private.worker._global_node
+        return [info.process.pid for infos in node.all_processes.values() for info in infos]
+    return []
 
 
 @contextlib.contextmanager

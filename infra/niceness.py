@@ -3,10 +3,13 @@ the daemons around them.
 
 Ray starts its workers at niceness 15 by default, so on a 2-core machine the workers lost the CPU
 to every daemon of the job's tree (Prefect's API server, Ray's GCS, dashboard, agents and
-monitors). flowrl starts Ray's workers at 0 (``RAY_WORKER_NICENESS``) and raises its own helper
-daemons' niceness to ``FLOWRL_RAY_DAEMON_NICENESS`` (default 10; 0 leaves them as they are).
-The raylet keeps its niceness: a worker starts at the raylet's niceness plus Ray's
-``worker_niceness``.
+monitors). flowrl starts Ray's workers at 0 (``RAY_WORKER_NICENESS``), and raises the niceness of
+Ray's helper daemons, which no call of a job waits on (the dashboard head and agent, the
+runtime-env agent, the log and autoscaler monitors), to ``FLOWRL_RAY_DAEMON_NICENESS`` (default
+10; 0 leaves them as they are). The servers that answer a job's calls stay at 0: Ray's GCS and
+raylet, the Prefect API, MLflow, S3. (Tried: with the Prefect API at 10, a busy tenant of a
+shared worker at 0 starved it and a second job's flow run failed on the stack.) The raylet's
+niceness is also the base of its workers': they start at it plus Ray's ``worker_niceness``.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ RAY_WORKER_NICENESS = 0
 """Ray's ``worker_niceness`` for the Rays flowrl starts (Ray's default: 15)."""
 
 _RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
+_RAY_HELPER_SCRIPTS = ("/dashboard/dashboard.py", "/log_monitor.py", "/monitor.py")
 
 
 def renice(pid: int, niceness: int) -> None:
@@ -29,30 +33,22 @@ def renice(pid: int, niceness: int) -> None:
             proc.nice(niceness)
 
 
-def renice_tree(pid: int, niceness: int) -> None:
-    """``renice`` process ``pid`` and all its descendants (a server and its workers)."""
-    with contextlib.suppress(psutil.Error):
-        for proc in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-            renice(proc.pid, niceness)
-
-
-def yield_cpu_to_workers(root: int, niceness: int) -> None:
-    """Raise the niceness of the helper daemons among ``root``'s descendants to ``niceness``:
-    a Ray's GCS, dashboard, agents and monitors, and a Prefect API server run by uvicorn; not
-    the raylet, nor any Ray worker."""
+def yield_cpu_to_workers(roots: list[int], niceness: int) -> None:
+    """Raise the niceness of Ray's helper daemons among ``roots`` and their descendants to
+    ``niceness`` (module docstring: which)."""
     if niceness <= 0:
         return
-    with contextlib.suppress(psutil.Error):
-        for proc in psutil.Process(root).children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                if _is_helper_daemon(proc):
-                    renice(proc.pid, niceness)
+    for root in roots:
+        with contextlib.suppress(psutil.Error):
+            top = psutil.Process(root)
+            for proc in [top, *top.children(recursive=True)]:
+                with contextlib.suppress(psutil.Error):
+                    if _is_helper_daemon(proc):
+                        renice(proc.pid, niceness)
 
 
 def _is_helper_daemon(proc: psutil.Process) -> bool:
-    name, cmd = proc.name(), " ".join(proc.cmdline()[:4])
-    if name == "raylet" or "default_worker.py" in cmd:
-        return False
+    cmd = " ".join(proc.cmdline()[:4])
     if cmd.startswith("ray::"):  # a worker (the policy's, a stage's), or one of raylet's agents
         return cmd.startswith(_RAY_AGENTS)
-    return name == "gcs_server" or "/ray/" in cmd or ("uvicorn" in cmd and "prefect" in cmd)
+    return "/ray/" in cmd and any(script in cmd for script in _RAY_HELPER_SCRIPTS)

@@ -61,9 +61,9 @@ class Settings(BaseSettings):
         default=10,
         ge=0,
         le=19,
-        description="Niceness of a local Ray's daemons (GCS, dashboard, agents, log and "
-        "autoscaler monitors) and of the embedded Prefect API the job started: on a small "
-        "machine they yield the CPU to the policy's workers, which run at 0. 0 = as the job.",
+        description="Niceness of the helper daemons of a Ray flowrl starts (dashboard, its "
+        "agents, log and autoscaler monitors): on a small machine they yield the CPU to the "
+        "policy's workers, which run at 0. 0 = as the job.",
     )
     mlflow_tracking_uri: str | None = Field(
         default=None,

@@ -30,7 +30,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from flowrl.infra.niceness import RAY_WORKER_NICENESS, renice_tree, yield_cpu_to_workers
+from flowrl.infra.niceness import RAY_WORKER_NICENESS, yield_cpu_to_workers
 from flowrl.infra.servers import TEST_CREDENTIALS, free_port, wait_for_http
 from flowrl.infra.settings import get_settings
 
@@ -342,12 +342,10 @@ def _start_all(state: StackState, gpus: int, deploy: bool, ray: bool, say: _Prog
         cmd += ["--system-config", json.dumps({"worker_niceness": RAY_WORKER_NICENESS})]
         ray_pid = _spawn("ray", cmd, {"RAY_USAGE_STATS_ENABLED": "0"}, state, f"{HOST}:{port}")
         _wait_tcp(port, 120)
-        yield_cpu_to_workers(ray_pid, get_settings().ray_daemon_niceness)
+        yield_cpu_to_workers([ray_pid], get_settings().ray_daemon_niceness)
         say(f"Ray head on {HOST}:{port} ({gpus} GPUs)")
         # Ray 2.60 has token auth on by default; drivers joining the head must use it too.
         state.env |= {"FLOWRL_RAY_ADDRESS": f"{HOST}:{port}", "RAY_AUTH_MODE": "token"}
-    for name in ("moto", "mlflow", "prefect"):  # servers: the workers' CPU comes first
-        renice_tree(state.components[name].pid, get_settings().ray_daemon_niceness)
     state.save(state_file())
     _apply_infra(state, deploy)
     say("work pool, queues, gpu limit" + (", deployments" if deploy else ""))

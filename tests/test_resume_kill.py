@@ -186,6 +186,13 @@ def test_sigterm_mid_evaluation_exits_in_seconds_without_a_second_ray(tmp_path):
             time.sleep(0.2)
         assert (tmp_path / "evaluating").exists(), log.read_text()[-3000:]
         time.sleep(1.0)  # well inside the evaluation's hung resets
+        # Who gets the CPU: the policy's worker and the servers at 0, Ray's helper daemons at
+        # FLOWRL_RAY_DAEMON_NICENESS (10).
+        nice = _niceness_by_kind(job.pid)
+        for process in ("ray::ColocatedWorker", "raylet", "gcs_server", "Prefect API"):
+            assert nice[process] == {0}, nice
+        for daemon in ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "Ray dashboard"):
+            assert nice[daemon] == {10}, nice
         job.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         while job.poll() is None and time.monotonic() - signalled < 60:
@@ -202,3 +209,22 @@ def test_sigterm_mid_evaluation_exits_in_seconds_without_a_second_ray(tmp_path):
     finally:
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
+
+
+def _niceness_by_kind(pid: int) -> dict[str, set[int]]:
+    """The niceness of ``pid``'s descendants, by kind (Ray actors by class)."""
+    import psutil
+
+    kinds: dict[str, set[int]] = {}
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            name, cmd = child.name(), " ".join(child.cmdline())
+            kind = name
+            if cmd.startswith("ray::"):
+                kind = "ray::" + cmd.split()[0][5:].split(".")[0].rsplit(":", 1)[-1]
+            elif "uvicorn" in cmd and "prefect" in cmd:
+                kind = "Prefect API"
+            elif "/dashboard/dashboard.py" in cmd:
+                kind = "Ray dashboard"
+            kinds.setdefault(kind, set()).add(child.nice())
+    return kinds
