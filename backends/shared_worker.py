@@ -232,7 +232,9 @@ class SharedWorker:
         if self.resident:  # tenants of one batch are in memory together
             fits = {c.tenant for c in mixable[: self.resident]}
             mixable = [c for c in mixable if c.tenant in fits]
-        if len(mixable) > 1:
+        # A call that finds no company samples the same way (its rows' own seeds): its draws
+        # never depend on whether other tenants' calls happened to arrive with it.
+        if mixable:
             try:
                 results = self._sample_rows(mixable)
             except Exception:  # noqa: BLE001 - each call again alone: a bad one fails alone
@@ -240,7 +242,8 @@ class SharedWorker:
             else:
                 for call, result in zip(mixable, results, strict=True):
                     call.result, call.done = result, True
-                self.together.append(len(mixable))
+                if len(mixable) > 1:
+                    self.together.append(len(mixable))
         for call in batch:
             if not call.done:
                 try:
