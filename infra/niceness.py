@@ -25,14 +25,6 @@ _RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 _RAY_HELPER_SCRIPTS = ("/dashboard/dashboard.py", "/log_monitor.py", "/monitor.py")
 
 
-def renice(pid: int, niceness: int) -> None:
-    """Raise process ``pid``'s niceness to ``niceness`` (never lower it; gone is fine)."""
-    with contextlib.suppress(psutil.Error):
-        proc = psutil.Process(pid)
-        if proc.nice() < niceness:
-            proc.nice(niceness)
-
-
 def yield_cpu_to_workers(roots: list[int], niceness: int) -> None:
     """Raise the niceness of Ray's helper daemons among ``roots`` and their descendants to
     ``niceness`` (module docstring: which)."""
@@ -42,9 +34,9 @@ def yield_cpu_to_workers(roots: list[int], niceness: int) -> None:
         with contextlib.suppress(psutil.Error):
             top = psutil.Process(root)
             for proc in [top, *top.children(recursive=True)]:
-                with contextlib.suppress(psutil.Error):
-                    if _is_helper_daemon(proc):
-                        renice(proc.pid, niceness)
+                with contextlib.suppress(psutil.Error):  # gone is fine; never lowered
+                    if _is_helper_daemon(proc) and proc.nice() < niceness:
+                        proc.nice(niceness)
 
 
 def _is_helper_daemon(proc: psutil.Process) -> bool:
