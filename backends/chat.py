@@ -81,7 +81,7 @@ FAMILIES: tuple[ChatFamily, ...] = (
     ChatFamily("gemma3", ("<start_of_turn>", "<end_of_turn>"), "<end_of_turn>"),
     ChatFamily("mistral", ("[INST]", "[/INST]"), "</s>"),
 )
-"""The families the README names as supported. Any other template is ``template``: rendered the
+"""The families docs/models.md names as supported. Any other template is ``template``: rendered the
 same generic way, and accepted when ``probe`` finds it exact."""
 GENERIC = ChatFamily("template", (), None)
 CHAT_FORMATS = ("auto", *(f.name for f in FAMILIES), GENERIC.name)

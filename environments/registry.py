@@ -311,6 +311,6 @@ def make_games(
         return task if loaded.is_game else task.games()
     raise EnvironmentLoadError(
         f"environment {name!r} is not a game between agents: self-play needs a class with "
-        "agents, current_agent, observation, act, final_rewards and opponent_move (README: "
-        "'Your own game')"
+        "agents, current_agent, observation, act, final_rewards and opponent_move "
+        "(docs/environments.md: 'Your own game')"
     )

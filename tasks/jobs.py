@@ -631,8 +631,8 @@ def _tic_tac_toe() -> EnvSection:
 
 class SelfPlayJobConfig(RLJobConfig):
     """Agents of a game play each other: flowrl's Gomoku (X and O) or a user's game given as a
-    class (README: "Your own game"); each agent learns, or one shared policy plays every side.
-    Every RL field keeps its meaning, applied per trained policy."""
+    class (docs/environments.md: "Your own game"); each agent learns, or one shared policy plays
+    every side. Every RL field keeps its meaning, applied per trained policy."""
 
     shared_placement: ClassVar[bool] = False
 

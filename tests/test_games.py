@@ -1,6 +1,6 @@
-"""A user's own game between agents: the README's worked example (``examples/nim``) loads by
-``module:Class``, trains by self-play with ``flowrl selfplay``, and is seen from one side
-against its reference player by every evaluation (and by ``rl-train``)."""
+"""A user's own game between agents: the worked example of docs/environments.md
+(``examples/nim``) loads by ``module:Class``, trains by self-play with ``flowrl selfplay``, and
+is seen from one side against its reference player by every evaluation (and by ``rl-train``)."""
 
 from __future__ import annotations
 
@@ -133,7 +133,7 @@ def test_a_game_whose_reset_raises_fails_the_config_naming_it():
 
 
 def test_flowrl_selfplay_trains_the_readme_game(tmp_path):
-    """The README's command (shortened), on a machine with nothing configured (Prefect's
+    """The guide's command (shortened), on a machine with nothing configured (Prefect's
     embedded ephemeral API, a local Ray): warm-up on the reference player's moves, self-play
     between two policies, each registered under its agent's name; the warm-up lifts the win
     share against the reference player and self-play keeps both policies playing legal moves."""

@@ -30,7 +30,7 @@ NEVER = {
 
 def _modules() -> dict[str, Path]:
     """Layer name → its files (``cli`` is flowrl/cli.py and flowrl/__main__.py)."""
-    files = {p: sorted((REPO / p).glob("*.py")) for p in PACKAGES}
+    files = {p: sorted((REPO / p).rglob("*.py")) for p in PACKAGES}  # subpackages too
     files["cli"] = [REPO / "flowrl" / "cli.py", REPO / "flowrl" / "__main__.py"]
     return files
 

@@ -1,6 +1,6 @@
-"""The README's stack commands and the two UIs, as a new user meets them, on the real stack.
+"""The stack guide's commands and the two UIs, as a new user meets them, on the real stack.
 
-- The commands of README.md's "Scheduler and deployments" block, read from the README and run
+- The commands of docs/stack.md's "Scheduler and deployments" block, read from the guide and run
   in order by bash on a fresh ``flowrl stack up`` of their own (the block starts and stops it).
 - The Prefect UI and the MLflow UI in headless Chromium (``tests/browser.py``) on a stack
   started by ``flowrl stack up``: the deployments list, a 3-step run submitted from the
@@ -10,8 +10,8 @@
   message when it cannot reach its API).
 
 Without a Chromium (``apt-get install chromium``, which ``make setup-test`` does) the browser tests
-skip, saying so. With ``FLOWRL_SCREENSHOTS=docs/screenshots`` they also write the README
-walkthrough's screenshots there.
+skip, saying so. With ``FLOWRL_SCREENSHOTS=docs/screenshots`` they also write the
+walkthrough's screenshots there (docs/ui.md).
 """
 
 from __future__ import annotations
@@ -98,14 +98,15 @@ def _stop_stack(env: dict[str, str]) -> None:
             pass
 
 
-# ------------------------------------------------------------------- README's stack section
+# ------------------------------------------------------------- the stack guide's commands
 
 
-def readme_stack_commands(readme: Path = REPO / "README.md") -> list[str]:
-    """The command lines of the ```bash block in README.md's "Scheduler and deployments"
-    section, as written (continuation lines joined, blank lines dropped)."""
-    text = readme.read_text()
-    section = text.split("### Scheduler and deployments", 1)[1].split("\n## ", 1)[0]
+def readme_stack_commands(guide: Path = REPO / "docs" / "stack.md") -> list[str]:
+    """The command lines of the ```bash block in docs/stack.md's "Scheduler and deployments"
+    section (the README's docs map links it), as written (continuation lines joined, blank
+    lines dropped)."""
+    text = guide.read_text()
+    section = text.split("## Scheduler and deployments", 1)[1].split("\n## ", 1)[0]
     block = section.split("```bash\n", 1)[1].split("```", 1)[0]
     block = re.sub(r"\\\n\s*", "", block)
     return [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
