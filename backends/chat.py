@@ -43,12 +43,9 @@ from typing import Any
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerFast
 
-from flowrl.backends.models import (
-    IMAGE_TOKEN,
-    is_vision_language,
-    load_tokenizer,
-    resolve_model_uri,
-)
+from flowrl.backends.model_folder import is_vision_language, load_tokenizer
+from flowrl.backends.model_uri import resolve_model_uri
+from flowrl.backends.tiny_model import IMAGE_TOKEN
 from flowrl.environments.types import OBSERVATION_ROLES, TaskConfig
 
 
@@ -251,7 +248,7 @@ class HFChatFormat:
     ) -> HFChatFormat:
         """The format of a local model folder: its tokenizer, template and generation config."""
         images = 0
-        if is_vision_language(path):  # vlm builds on backends.models, and imports torch
+        if is_vision_language(path):  # vlm builds on backends.tiny_model, and imports torch
             from flowrl.backends.vlm import image_seq_length
 
             images = image_seq_length(path)

@@ -33,14 +33,9 @@ from flowrl.backends.algorithms import (
     token_logprobs,
 )
 from flowrl.backends.chat import HFChatFormat
-from flowrl.backends.models import (
-    LORA_EXPORT,
-    copy_model_files,
-    load_causal_lm,
-    load_tokenizer,
-    pad_id,
-    resolve_model_uri,
-)
+from flowrl.backends.lora_export import LORA_EXPORT
+from flowrl.backends.model_folder import copy_model_files, load_causal_lm, load_tokenizer, pad_id
+from flowrl.backends.model_uri import resolve_model_uri
 from flowrl.backends.precision import compute_dtype, forward_autocast
 from flowrl.backends.types import Datum, WorkerSpec
 from flowrl.backends.vlm import ImageInputs, vision_inputs

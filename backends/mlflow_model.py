@@ -54,7 +54,7 @@ class ChatPolicy(mlflow.pyfunc.PythonModel):
 
     def load_context(self, context: mlflow.pyfunc.PythonModelContext) -> None:
         from flowrl.backends.chat import HFChatFormat
-        from flowrl.backends.models import load_causal_lm, pad_id
+        from flowrl.backends.model_folder import load_causal_lm, pad_id
 
         path = context.artifacts[POLICY_ARTIFACT]
         self._chat = HFChatFormat.from_folder(path)

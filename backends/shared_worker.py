@@ -50,11 +50,11 @@ from safetensors.torch import load_file, save_file
 
 from flowrl.agent_loop.types import SampleResult
 from flowrl.backends.hf_workers import HFSampler, TorchTrainer, _device, lora_config
-from flowrl.backends.models import load_causal_lm, load_tokenizer, resolve_model_uri
+from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
+from flowrl.backends.model_uri import resolve_model_uri
 from flowrl.backends.precision import forward_autocast
 from flowrl.backends.tinker_engine import SharedBase, TinkerModel
-from flowrl.backends.tinker_types import LoraSpec
-from flowrl.backends.types import WorkerSpec
+from flowrl.backends.types import LoraSettings, WorkerSpec
 
 
 @dataclass
@@ -291,15 +291,19 @@ class SharedWorker:
 
     # ------------------------------------------------------------- Tinker API models
 
-    def tinker_join(self, model_id: str, lora: dict[str, Any]) -> dict[str, int]:
-        """A Tinker API training model (``backends.tinker_engine.TinkerModel``, ``lora`` a
-        ``LoraSpec``'s fields) on this worker's base: its adapter, AdamW and RNG next to the
-        tenants'; the model's vocabulary size and context length."""
-        return self._work(self._tinker_join, model_id, lora, time.monotonic())
+    def tinker_join(
+        self, model_id: str, lora: LoraSettings, seed: int | None = None
+    ) -> dict[str, int]:
+        """A Tinker API training model (``backends.tinker_engine.TinkerModel`` of ``lora`` and
+        ``seed``) on this worker's base: its adapter, AdamW and RNG next to the tenants'; the
+        model's vocabulary size and context length."""
+        return self._work(self._tinker_join, model_id, lora, seed, time.monotonic())
 
-    def _tinker_join(self, model_id: str, lora: dict[str, Any], began: float) -> dict[str, int]:
+    def _tinker_join(
+        self, model_id: str, lora: LoraSettings, seed: int | None, began: float
+    ) -> dict[str, int]:
         self._tinker_drop(model_id, "left")
-        model = TinkerModel(self.shared, LoraSpec(**lora), name=model_id)
+        model = TinkerModel(self.shared, lora, seed, name=model_id)
         self.tinker[model_id] = _TinkerTenant(model)
         self.events.append((model_id, "joined", time.time()))
         self.join_s[model_id] = time.monotonic() - began

@@ -12,12 +12,14 @@ the model, while ``poll`` (the flow run's supervision) waits for the metrics it 
 
 from __future__ import annotations
 
+import secrets
 import threading
 import time
 from typing import Any
 
 import ray
 
+from flowrl.backends.types import LoraSettings
 from flowrl.infra.settings import get_settings
 
 ACTOR_PREFIX = "tinker-"
@@ -34,12 +36,11 @@ class TinkerActor:
     """A ``TinkerModel`` in a Ray worker: one call at a time on the model, while ``poll``
     (the flow run's) waits for metrics or the end."""
 
-    def __init__(self, base_uri: str, lora: dict[str, Any], cache_dir: str):
+    def __init__(self, base_uri: str, lora: LoraSettings, seed: int | None, cache_dir: str):
         from flowrl.backends.tinker_engine import TinkerModel
         from flowrl.backends.tinker_service import resolve_base_model
-        from flowrl.backends.tinker_types import LoraSpec
 
-        self.model = TinkerModel(resolve_base_model(base_uri, cache_dir), LoraSpec(**lora))
+        self.model = TinkerModel(resolve_base_model(base_uri, cache_dir), lora, seed)
         self.lock = threading.Lock()
         self.changed = threading.Condition()
         self.metrics: list[dict[str, float]] = []
@@ -124,7 +125,9 @@ class SessionPlacement:
             "model_id": model_id,
             "base_model": spec["base_model"],
             "base_uri": spec["base_uri"],
-            "lora": spec["lora"],
+            "lora": spec["lora"].model_dump(mode="json"),
+            # The model's seed; a Tinker client that sets none gets a random one, drawn here.
+            "seed": secrets.randbits(62) if spec["seed"] is None else spec["seed"],
             "owner": spec["namespace"],
             "resources": {"gpus": self.gpus},
         }
@@ -195,7 +198,13 @@ class SharedWorkerPlacement:
         )
         try:
             worker, info = join_shared_worker(
-                base, placement, ActorResources(), "tinker_join", spec["model_id"], spec["lora"]
+                base,
+                placement,
+                ActorResources(),
+                "tinker_join",
+                spec["model_id"],
+                spec["lora"],
+                spec["seed"],
             )
         except BaseException:
             slot.close()

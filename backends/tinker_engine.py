@@ -46,12 +46,11 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from flowrl.backends.algorithms import token_logprobs
-from flowrl.backends.models import load_causal_lm, load_tokenizer
+from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
 from flowrl.backends.tinker_types import (
     DEFAULT_CLIP,
     Datum,
     ForwardOutput,
-    LoraSpec,
     SampledSequence,
     SampleOutput,
     SampleParams,
@@ -59,9 +58,7 @@ from flowrl.backends.tinker_types import (
     check_batch,
     check_tokens,
 )
-
-LORA_ALPHA = 32
-"""LoRA scale numerator (Tinker's documented alpha); the update is ``alpha / rank * B @ A``."""
+from flowrl.backends.types import LoraSettings
 
 
 class SharedBase:
@@ -98,13 +95,13 @@ class SharedBase:
         self.evictions = 0
         self.park_dir = tempfile.mkdtemp(prefix="parked-")  # parked tenants' files
 
-    def add_adapter(self, name: str, lora: LoraSpec, seed: int) -> None:
-        """A Tinker model's adapter (Tinker's alpha, no dropout)."""
+    def add_adapter(self, name: str, lora: LoraSettings, seed: int) -> None:
+        """A Tinker model's adapter, on those of its ``target_modules`` the base has."""
         config = LoraConfig(
-            r=lora.rank,
-            lora_alpha=LORA_ALPHA,
-            lora_dropout=0.0,
-            target_modules=lora.target_modules(self.modules),
+            r=lora.r,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=[m for m in lora.target_modules if m in self.modules],
             task_type="CAUSAL_LM",
         )
         self.add_lora(name, config, seed)
@@ -146,10 +143,16 @@ class TinkerModel:
     """One tenant of a base model: a trainable LoRA adapter with its own AdamW, step count and
     sampling RNG, and snapshots of the adapter for sampling; state saved to and loaded from
     bytes. ``base`` is a model folder (a base of its own) or a ``SharedBase`` that other
-    tenants use too (each with its own ``name``)."""
+    tenants use too (each with its own ``name``). ``seed`` seeds the adapter's initial weights
+    and the sampling RNG (None: a random one; a Tinker ``LoraConfig``'s ``seed``)."""
 
     def __init__(
-        self, base: str | SharedBase, lora: LoraSpec, device: str = "cpu", name: str = "default"
+        self,
+        base: str | SharedBase,
+        lora: LoraSettings,
+        seed: int | None = None,
+        device: str = "cpu",
+        name: str = "default",
     ):
         self.base = base if isinstance(base, SharedBase) else SharedBase(base, device)
         self.lora = lora
@@ -160,7 +163,7 @@ class TinkerModel:
         self.context_length = self.base.context_length
         self.tokenizer = self.base.tokenizer
         self.eos_ids = self.base.eos_ids
-        self.seed = lora.seed if lora.seed is not None else secrets.randbits(62)
+        self.seed = seed if seed is not None else secrets.randbits(62)
         self.steps = 0
         self.snapshots: dict[str, dict[str, torch.Tensor]] = {}
         self.generator = torch.Generator(device=self.device)

@@ -64,11 +64,13 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
 from flowrl.backends.tinker_types import (
-    LoraSpec,
     SampleParams,
     TinkerInputError,
     check_batch,
     check_tokens,
+    read_tinker_lora,
+    tinker_lora,
+    tinker_lora_config,
 )
 from flowrl.backends.tinker_wire import (
     decompress,
@@ -76,6 +78,7 @@ from flowrl.backends.tinker_wire import (
     write_forward_output,
     write_sample_response,
 )
+from flowrl.backends.types import LoraSettings
 from flowrl.infra.servers import body_size_refusal
 from flowrl.infra.settings import get_settings
 from flowrl.infra.storage import Storage
@@ -183,7 +186,8 @@ class ModelHandle(Protocol):
 
 class Placement(Protocol):
     def start(self, spec: dict[str, Any]) -> ModelHandle:
-        """A new model from ``spec`` (model_id, namespace, base_model, base_uri, lora)."""
+        """A new model from ``spec`` (model_id, namespace, base_model, base_uri, lora: its
+        ``LoraSettings``, seed: the model's or None)."""
         ...
 
 
@@ -228,20 +232,20 @@ class LocalPlacement:
     def start(self, spec: dict[str, Any]) -> ModelHandle:
         from flowrl.backends.tinker_engine import TinkerModel
 
-        lora = LoraSpec(**spec["lora"])
-        return LocalHandle(TinkerModel(self.base(spec["base_uri"]), lora, name=spec["model_id"]))
+        base = self.base(spec["base_uri"])
+        return LocalHandle(TinkerModel(base, spec["lora"], spec["seed"], name=spec["model_id"]))
 
 
 def resolve_base_model(uri: str, cache_dir: str) -> str:
     """A catalogue URI as a local folder: ``tiny`` (the default tiny model, built once into
     the model cache), a local folder, ``s3://`` or ``models:/``."""
-    from flowrl.backends.models import (
-        TinyModelSpec,
+    from flowrl.backends.model_uri import (
         build_tiny_model_once,
         resolve_model_uri,
         tiny_model_key,
         tiny_model_slot,
     )
+    from flowrl.backends.tiny_model import TinyModelSpec
 
     if uri == "tiny":  # the build a job of the default tiny model uses too
         spec = TinyModelSpec()
@@ -270,7 +274,8 @@ class _Model:
     namespace: str | None
     session_id: str
     base_model: str
-    lora: LoraSpec
+    lora: LoraSettings
+    seed: int | None = None  # the client's LoraConfig.seed (None: the model draws one)
     handle: ModelHandle | None = None
     worker: concurrent.futures.ThreadPoolExecutor = field(
         default_factory=lambda: concurrent.futures.ThreadPoolExecutor(1, "tinker-model")
@@ -470,8 +475,9 @@ class TinkerService:
         session_id: str,
         seq: int,
         base_model: str,
-        lora: LoraSpec,
+        lora: LoraSettings,
         meta: dict,
+        seed: int | None = None,
     ) -> _Model:
         session = self.session(namespace, session_id)
         uri = self.base_uri(base_model)
@@ -488,13 +494,13 @@ class TinkerService:
                     f"at most {self.limits.max_models_per_namespace} live models per key: "
                     "close a session or unload a model first",
                 )
-            model = _Model(model_id, namespace, session_id, base_model, lora)
+            model = _Model(model_id, namespace, session_id, base_model, lora, seed)
             self.models[model_id] = model
             session.models.append(model_id)
         run = {
             "training_run_id": model_id,
             "base_model": base_model,
-            "lora": lora.__dict__,
+            "lora": tinker_lora_config(lora, seed),
             "model_owner": namespace or "local",
             "created": _now(),
             "user_metadata": {str(k): str(v) for k, v in (meta or {}).items()},
@@ -505,7 +511,8 @@ class TinkerService:
             "namespace": namespace,
             "base_model": base_model,
             "base_uri": uri,
-            "lora": lora.__dict__,
+            "lora": lora,
+            "seed": seed,
             "session_id": session_id,
         }
 
@@ -579,7 +586,7 @@ class TinkerService:
                 "size_bytes": sum(len(v) for v in files.values()),
                 "user_metadata": {str(k): str(v) for k, v in (meta or {}).items()} or None,
                 "base_model": model.base_model,
-                "lora": model.lora.__dict__,
+                "lora": tinker_lora_config(model.lora, model.seed),
             }
             storage.write_json(f"{folder}/checkpoint.json", record)
             if kind == "sampler_weights":
@@ -628,14 +635,16 @@ class TinkerService:
 
     # ------------------------------------------------------------------- samplers
 
-    def sampler_pool_model(self, base_model: str, lora: LoraSpec) -> _Model:
+    def sampler_pool_model(
+        self, base_model: str, lora: LoraSettings, seed: int | None = None
+    ) -> _Model:
         """A model of this service for sampling saved paths of ``lora``'s shape (or the base
         model alone), shared by every caller: it holds no one's training state."""
-        key = (base_model, tuple(sorted(lora.__dict__.items())))
+        key = (base_model, tuple(sorted(tinker_lora_config(lora, seed).items())))
         with self.lock:
             model = self.pool.get(key)
             if model is None:
-                model = _Model(f"pool-{len(self.pool)}", None, "", base_model, lora)
+                model = _Model(f"pool-{len(self.pool)}", None, "", base_model, lora, seed)
                 self.pool[key] = model
                 uri = self.base_uri(base_model)
                 spec = {
@@ -643,7 +652,8 @@ class TinkerService:
                     "namespace": None,
                     "base_model": base_model,
                     "base_uri": uri,
-                    "lora": lora.__dict__,
+                    "lora": lora,
+                    "seed": seed,
                     "session_id": "",
                 }
 
@@ -669,13 +679,13 @@ class TinkerService:
     def sampler_from_path(self, namespace: str | None, session: _Session, path: str) -> str:
         run_id, kind, folder = self.parse_path(namespace, path)
         record = self.checkpoint_record(folder)
-        lora = LoraSpec(**record["lora"])
+        lora, seed = read_tinker_lora(record["lora"])
         with self.lock:
             live = self.models.get(run_id)
         if live is not None and not live.ended and live.namespace == namespace:
             target = live
         else:
-            target = self.sampler_pool_model(record["base_model"], lora)
+            target = self.sampler_pool_model(record["base_model"], lora, seed)
         data = self.storage.read_bytes(f"{folder}/adapter.safetensors")
         target.worker.submit(lambda: target.handle.call("add_snapshot_bytes", path, data)).result()
         sampler = _Sampler(
@@ -694,15 +704,10 @@ class TinkerService:
             return sampler.pool
         if sampler.model_id is not None:
             return self.model(sampler.namespace, sampler.model_id)
-        return self.sampler_pool_model(sampler.base_model, LoraSpec(rank=1))
+        return self.sampler_pool_model(sampler.base_model, tinker_lora(rank=1))
 
 
 # --------------------------------------------------------------------------- HTTP
-
-
-def _shape(lora: LoraSpec) -> tuple:
-    """What must match for an adapter to load into a model (the init seed need not)."""
-    return (lora.rank, lora.train_mlp, lora.train_attn, lora.train_unembed)
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -916,7 +921,7 @@ def create_app(service: TinkerService) -> FastAPI:
                 400, f"optimizer {req.optimizer_config.type!r} is not supported (adamw)"
             )
         c = req.lora_config
-        lora = LoraSpec(c.rank, c.seed, c.train_mlp, c.train_attn, c.train_unembed)
+        lora = tinker_lora(c.rank, c.train_mlp, c.train_attn, c.train_unembed)
         ns = request.state.ns
         model = await asyncio.to_thread(
             service.new_model,
@@ -926,6 +931,7 @@ def create_app(service: TinkerService) -> FastAPI:
             req.base_model,
             lora,
             req.user_metadata or {},
+            c.seed,
         )
         rid = service.submit(ns, "create_model", model.worker, model.start)
         return future_answer(rid, model.model_id)
@@ -939,7 +945,7 @@ def create_app(service: TinkerService) -> FastAPI:
             "model_id": model.model_id,
             "model_data": {"arch": "lora", "model_name": model.base_model, "tokenizer_id": None},
             "is_lora": True,
-            "lora_rank": model.lora.rank,
+            "lora_rank": model.lora.r,
             "model_name": model.base_model,
         }
 
@@ -1065,12 +1071,11 @@ def create_app(service: TinkerService) -> FastAPI:
                 400, "a sampler checkpoint has no optimizer state (save_state saves one)"
             )
         record = await asyncio.to_thread(service.checkpoint_record, folder)
+        lora, seed = read_tinker_lora(record["lora"])
         if req.model_id is not None:
             model = service.model(ns, req.model_id)
-            if (
-                _shape(LoraSpec(**record["lora"])) != _shape(model.lora)
-                or record["base_model"] != model.base_model
-            ):
+            # The adapter's shape must match; its init seed need not.
+            if lora != model.lora or record["base_model"] != model.base_model:
                 raise ServiceError(
                     400, f"{req.path} was saved from another base model or LoRA shape"
                 )
@@ -1090,8 +1095,9 @@ def create_app(service: TinkerService) -> FastAPI:
                 req.session_id,
                 req.model_seq_id,
                 base,
-                LoraSpec(**record["lora"]),
+                lora,
                 req.user_metadata or {},
+                seed,
             )
         files = await asyncio.to_thread(service.read_checkpoint, folder, req.optimizer)
         start = model.start if model.handle is None else None

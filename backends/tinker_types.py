@@ -3,15 +3,17 @@ loss functions served with the inputs each reads, and the checks of a request's 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
-UNEMBED_MODULES = ("lm_head",)
+from flowrl.backends.types import ATTN_MODULES, MLP_MODULES, UNEMBED_MODULES, LoraSettings
+
+TINKER_LORA_ALPHA = 32
+"""LoRA scale numerator of a Tinker model (Tinker's documented alpha): the update is
+``alpha / r * B @ A``."""
 
 DEFAULT_CLIP = (0.8, 1.2)
 
@@ -36,24 +38,43 @@ class TinkerInputError(ValueError):
     """A request's data is wrong (the caller's error, answered with a 4xx)."""
 
 
-@dataclass(frozen=True)
-class LoraSpec:
-    """A training model's adapter: rank, init seed and which modules it adapts."""
-
-    rank: int = 32
-    seed: int | None = None
-    train_mlp: bool = True
-    train_attn: bool = True
-    train_unembed: bool = True
-
-    def target_modules(self, present: set[str]) -> list[str]:
-        """The adapted modules among ``present`` (a model's module names)."""
-        wanted = (
-            (ATTN_MODULES if self.train_attn else ())
-            + (MLP_MODULES if self.train_mlp else ())
-            + (UNEMBED_MODULES if self.train_unembed else ())
+def tinker_lora(
+    rank: int = 32, train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True
+) -> LoraSettings:
+    """The adapter of a Tinker SDK ``LoraConfig`` (its names: ``rank``, and the module groups
+    it trains) as flowrl's ``LoraSettings``, with Tinker's alpha and no dropout. The config's
+    ``seed`` is the model's (``TinkerModel``), not the adapter's."""
+    modules = (
+        (ATTN_MODULES if train_attn else ())
+        + (MLP_MODULES if train_mlp else ())
+        + (UNEMBED_MODULES if train_unembed else ())
+    )
+    if not modules:
+        raise TinkerInputError(
+            "lora_config: one of train_attn, train_mlp, train_unembed must be true"
         )
-        return [m for m in wanted if m in present]
+    return LoraSettings(
+        enabled=True, r=rank, alpha=TINKER_LORA_ALPHA, dropout=0.0, target_modules=list(modules)
+    )
+
+
+def tinker_lora_config(lora: LoraSettings, seed: int | None) -> dict[str, Any]:
+    """The Tinker SDK ``LoraConfig`` of ``lora`` and the model's ``seed``: the form the
+    service's run and checkpoint records keep and its answers give (``tinker_lora`` reversed)."""
+    modules = set(lora.target_modules)
+    return {
+        "rank": lora.r,
+        "seed": seed,
+        "train_mlp": modules >= set(MLP_MODULES),
+        "train_attn": modules >= set(ATTN_MODULES),
+        "train_unembed": modules >= set(UNEMBED_MODULES),
+    }
+
+
+def read_tinker_lora(config: Mapping[str, Any]) -> tuple[LoraSettings, int | None]:
+    """A record's ``tinker_lora_config`` read back: the adapter and the model's seed."""
+    flags = ("train_mlp", "train_attn", "train_unembed")
+    return tinker_lora(config["rank"], **{k: config[k] for k in flags}), config.get("seed")
 
 
 @dataclass

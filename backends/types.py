@@ -39,8 +39,16 @@ class Datum:
     images: list[bytes] = field(default_factory=list)
 
 
+ATTN_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+UNEMBED_MODULES = ("lm_head",)
+"""The module groups a LoRA adapter may train (a Tinker ``LoraConfig`` names them by group)."""
+
+
 class LoraSettings(BaseModel, title="LoRA"):
-    """LoRA adapter settings (peft). Disabled means full-parameter training."""
+    """LoRA adapter settings (peft), of a job's policy (``model.lora``) and of a Tinker API
+    training model alike (``tinker_types.tinker_lora``: the Tinker SDK's ``LoraConfig`` as
+    these). Disabled means full-parameter training."""
 
     model_config = STRICT_MODEL_CONFIG
 
@@ -49,7 +57,7 @@ class LoraSettings(BaseModel, title="LoRA"):
     alpha: int = Field(default=32, ge=1, description="LoRA scaling numerator (scale = alpha / r).")
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA path.")
     target_modules: list[str] = Field(
-        default=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        default=[*ATTN_MODULES, *MLP_MODULES],
         min_length=1,
         description="Module names that get adapters.",
     )

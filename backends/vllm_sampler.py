@@ -27,7 +27,8 @@ from safetensors.torch import save_file
 
 from flowrl.agent_loop.types import SampleResult
 from flowrl.backends.chat import HFChatFormat
-from flowrl.backends.models import load_tokenizer, resolve_model_uri
+from flowrl.backends.model_folder import load_tokenizer
+from flowrl.backends.model_uri import resolve_model_uri
 from flowrl.backends.precision import compute_dtype
 from flowrl.backends.types import WorkerSpec
 

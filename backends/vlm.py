@@ -27,12 +27,12 @@ from transformers import (
 )
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 
-from flowrl.backends.models import (
+from flowrl.backends.model_folder import is_vision_language
+from flowrl.backends.tiny_model import (
     CHAT_TEMPLATE,
     IMAGE_TOKEN,
     TinyModelSpec,
     build_tokenizer,
-    is_vision_language,
     llama_config,
     save_tokenizer,
 )

@@ -30,7 +30,7 @@ EVERY = {0: 0, 1: 1000, 13: 16, 50: 4}
 def run(home: Path, hung: int, timeout_s: float, claims: Path) -> dict[str, float]:
     from flowrl.flows.rl import rl_train
     from flowrl.infra.tracking import client
-    from flowrl.tasks.jobs import load_job
+    from flowrl.tasks.schemas import load_job
 
     config = load_job(
         None,

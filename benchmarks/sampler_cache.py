@@ -30,9 +30,9 @@ def measure(size: str, repeats: int, home: Path) -> dict[str, Any]:
 
     from flowrl.backends import hf_workers
     from flowrl.backends.chat import HFChatFormat
-    from flowrl.backends.models import build_tiny_model
+    from flowrl.backends.tiny_model import build_tiny_model
     from flowrl.backends.types import WorkerSpec
-    from flowrl.tasks.jobs import load_job
+    from flowrl.tasks.schemas import load_job
 
     torch.set_num_threads(1)
     cfg = load_job(None, list(SIZES[size].overrides))

@@ -44,9 +44,9 @@ def child(size: str, setup: str, home: str) -> dict:
     import psutil
     import torch
 
-    from flowrl.backends.models import TinyModelSpec, build_tiny_model
     from flowrl.backends.tinker_engine import SharedBase, TinkerModel
-    from flowrl.backends.tinker_types import Datum, LoraSpec
+    from flowrl.backends.tinker_types import Datum, tinker_lora
+    from flowrl.backends.tiny_model import TinyModelSpec, build_tiny_model
 
     torch.set_num_threads(1)
     spec = TinyModelSpec(**SIZES[size], max_position_embeddings=64)
@@ -60,7 +60,7 @@ def child(size: str, setup: str, home: str) -> dict:
     for i in range(TENANTS):
         began = time.perf_counter()
         base = shared if shared is not None else folder
-        tenants.append(TinkerModel(base, LoraSpec(rank=16, seed=i), name=f"t{i}"))
+        tenants.append(TinkerModel(base, tinker_lora(rank=16), seed=i, name=f"t{i}"))
         join_s.append(time.perf_counter() - began)
     joined_pss = me.memory_full_info().pss
     rng = np.random.default_rng(0)

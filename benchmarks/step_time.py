@@ -267,7 +267,7 @@ def main() -> None:
     set_environment(home)
     from trl_compare import SIZES  # same folder; it imports this module, so only here
 
-    from flowrl.tasks.jobs import load_job
+    from flowrl.tasks.schemas import load_job
 
     overrides = [
         *SIZES[args.size].overrides,

@@ -80,7 +80,7 @@ def measure(calls: int, warmup: int, block: int, home: Path) -> dict[str, dict[s
 
     from flowrl.backends.tinker_engine import TinkerModel
     from flowrl.backends.tinker_service import resolve_base_model
-    from flowrl.backends.tinker_types import Datum, LoraSpec, SampleParams
+    from flowrl.backends.tinker_types import Datum, SampleParams, tinker_lora
     from flowrl.infra.settings import get_settings
 
     torch.set_num_threads(1)
@@ -90,7 +90,7 @@ def measure(calls: int, warmup: int, block: int, home: Path) -> dict[str, dict[s
 
     # In this process: the engine's own types.
     model = TinkerModel(
-        resolve_base_model("tiny", get_settings().model_cache_dir), LoraSpec(rank=16, seed=0)
+        resolve_base_model("tiny", get_settings().model_cache_dir), tinker_lora(rank=16), seed=0
     )
     local_data = [
         Datum(

@@ -74,7 +74,7 @@ SIZES = {
 
 
 def job_config(size: str, overrides: list[str]) -> Any:
-    from flowrl.tasks.jobs import load_job
+    from flowrl.tasks.schemas import load_job
 
     return load_job(None, [*SIZES[size].overrides, *overrides])
 
@@ -211,7 +211,8 @@ def trl_side(
     from trl import GRPOConfig, GRPOTrainer
 
     from flowrl.backends.actors import start_policy, stop_policy
-    from flowrl.backends.models import load_causal_lm, load_tokenizer, resolve_model_uri
+    from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
+    from flowrl.backends.model_uri import resolve_model_uri
     from flowrl.backends.types import WorkerSpec
     from flowrl.infra.settings import get_settings
     from flowrl.tasks.common import chat_format, evaluate_policy

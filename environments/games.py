@@ -26,8 +26,8 @@ import copy
 import re
 from typing import Any
 
+from flowrl.environments.loaded import Loaded, construct
 from flowrl.environments.plugin import PluginTask, play, train_seed_start
-from flowrl.environments.registry import Loaded, construct
 from flowrl.environments.types import NoDemonstration, StepResult
 
 GAME_CONTRACT = (

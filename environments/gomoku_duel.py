@@ -9,18 +9,20 @@ an invalid move costs the mover ``invalid_move_reward`` and it moves again; afte
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flowrl.environments.gomoku import (
+from flowrl.environments.gomoku_board import (
     EMPTY,
     PLAYER_O,
     PLAYER_X,
     GomokuBoard,
-    GomokuTask,
     IllegalMove,
     parse_move,
 )
 from flowrl.environments.types import StepResult
+
+if TYPE_CHECKING:  # the task imports this module (its games() side); only its type is needed
+    from flowrl.environments.gomoku import GomokuTask
 
 MARK = {"X": PLAYER_X, "O": PLAYER_O}
 _SWAP = str.maketrans({"X": "O", "O": "X"})

@@ -19,8 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from flowrl.environments.data import GeneratedSource, StaticSource, load_rows
-from flowrl.environments.registry import Loaded, construct
-from flowrl.environments.timeouts import DEFAULT_STEP_TIMEOUT_S, TimedEnv
+from flowrl.environments.loaded import Loaded, construct
 from flowrl.environments.types import OBSERVATION_ROLE_KEY, DataSource, Environment
 
 TRAIN_SEED_SPACING = 1_000_000
@@ -121,30 +120,3 @@ def play(env: Environment, row: dict[str, Any], actions: list[str]) -> list[dict
         role = (result.info or {}).get(OBSERVATION_ROLE_KEY, "user")
         messages.append({"role": role, "content": result.observation})
     return messages
-
-
-def check_environment(task: Any, timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> None:
-    """Before a job starts: an environment given as a class constructs from its params and
-    one ``reset`` on its first training row succeeds within ``timeout_s`` seconds. Raises
-    ``ValueError`` naming the cause.
-    (A task config was checked by validating its params.)"""
-    if not isinstance(task, PluginTask):
-        return
-    from flowrl.environments.games import GameTask, check_game
-
-    if isinstance(task, GameTask):
-        check_game(task)  # a game: its agents, first turn, observation and reference move
-    name = task.loaded.name
-    env = task.make_env()  # raises naming a bad parameter or the constructor's error
-    try:
-        row = task.train_source().next_batch(1)[0]
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"environment {name!r}: cannot read its first row: {exc}") from exc
-    try:
-        first_user_message(env, TimedEnv(env, timeout_s).reset(**row))
-    except Exception as exc:
-        shown = repr(row) if len(repr(row)) <= 200 else repr(row)[:200] + "…"
-        raise ValueError(
-            f"environment {name!r}: reset(**row) raised {type(exc).__name__}: {exc} "
-            f"(first training row {shown})"
-        ) from exc

@@ -35,42 +35,32 @@ import importlib
 import inspect
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import lru_cache, partial
 from importlib.metadata import entry_points
 from typing import Any
 
 from pydantic import BaseModel
 
+from flowrl.environments.games import (
+    GAME_CONTRACT,
+    GameTask,
+    VersusOpponent,
+    check_game,
+    game_agents,
+)
+from flowrl.environments.loaded import EnvironmentLoadError, Loaded, check_contract, construct
+from flowrl.environments.plugin import PluginTask, first_user_message
+from flowrl.environments.timeouts import DEFAULT_STEP_TIMEOUT_S, TimedEnv
 from flowrl.environments.types import Environment, TaskConfig
 
 ENTRY_POINT_GROUP = "flowrl.environments"
 """Installed packages declare environments in this entry-point group."""
-CONTRACT = ("reset", "step", "get_system_prompt", "get_initial_user_message")
-"""The methods every environment has (``environments.types.Environment``)."""
 TASK_METHODS = ("make_env", "train_source", "eval_set", "sft_example")
 REASONING_GYM_PREFIX = "reasoning_gym:"
 """``env.name`` prefix of reasoning-gym's datasets (``environments.reasoning_gym``)."""
 TEXTARENA_PREFIX = "textarena:"
 """``env.name`` prefix of TextArena's games (``environments.textarena``)."""
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
-
-
-class EnvironmentLoadError(ValueError):
-    """An environment name that cannot be loaded or used; the message names the cause."""
-
-
-@dataclass(frozen=True)
-class Loaded:
-    """What an environment name resolved to."""
-
-    name: str
-    target: Any
-    """The class or factory the name points to."""
-    is_task_config: bool
-    """True for a task config (pydantic model building envs and data), False for an env."""
-    is_game: bool = False
-    """True for a game between agents (``environments.games``): self-play's contract."""
 
 
 def installed_names() -> list[str]:
@@ -170,7 +160,7 @@ def _check_target(name: str, target: Any) -> bool:
             f"environment {name!r}: {type(target).__name__} object is not a class or factory"
         )
     if inspect.isclass(target):
-        _check_contract(name, target)
+        check_contract(name, target)
     return False
 
 
@@ -186,8 +176,6 @@ def _looks_like_game(target: Any) -> bool:
 
 
 def _check_game_contract(name: str, target: Any) -> None:
-    from flowrl.environments.games import GAME_CONTRACT, game_agents
-
     missing = [m for m in GAME_CONTRACT if not callable(getattr(target, m, None))]
     if missing:
         raise EnvironmentLoadError(
@@ -198,16 +186,6 @@ def _check_game_contract(name: str, target: Any) -> None:
         game_agents(target, name)
     except ValueError as exc:
         raise EnvironmentLoadError(str(exc)) from None
-
-
-def _check_contract(name: str, obj: Any) -> None:
-    missing = [m for m in CONTRACT if not callable(getattr(obj, m, None))]
-    if missing:
-        what = obj.__name__ if inspect.isclass(obj) else type(obj).__name__
-        raise EnvironmentLoadError(
-            f"environment {name!r}: {what} lacks method(s) {', '.join(missing)} of the "
-            f"environment API ({', '.join(CONTRACT)})"
-        )
 
 
 def make_env(name: str, params: dict[str, Any] | None = None) -> Environment:
@@ -223,43 +201,9 @@ def env_builder(name: str, params: dict[str, Any] | None = None) -> Callable[[],
     if loaded.is_task_config:
         return loaded.target.model_validate(params or {}).make_env
     if loaded.is_game:
-        from flowrl.environments.games import VersusOpponent
-
         build = partial(construct, loaded, dict(params or {}))
         return lambda: VersusOpponent(build())
     return partial(construct, loaded, dict(params or {}))
-
-
-def construct(loaded: Loaded, params: dict[str, Any]) -> Environment:
-    """``loaded.target(**params)``, checked: an unknown parameter or a constructor error is
-    an ``EnvironmentLoadError`` naming it, and a factory's result must have the environment
-    API (a class was checked when it was loaded)."""
-    try:
-        env = loaded.target(**params)
-    except Exception as exc:
-        bad = _bad_params(loaded.target, params) if isinstance(exc, TypeError) else None
-        if bad:
-            raise EnvironmentLoadError(
-                f"environment {loaded.name!r}: bad env.params: {bad}"
-            ) from None
-        raise EnvironmentLoadError(
-            f"environment {loaded.name!r}: constructing it with env.params {params!r} raised "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    if not inspect.isclass(loaded.target):
-        _check_contract(loaded.name, env)
-    return env
-
-
-def _bad_params(target: Any, params: dict[str, Any]) -> str | None:
-    """Why ``params`` do not fit ``target``'s signature (None if they do, or it has none)."""
-    try:
-        inspect.signature(target).bind(**params)
-    except TypeError as exc:
-        return str(exc)
-    except ValueError:
-        return None
-    return None
 
 
 def make_task(
@@ -286,11 +230,7 @@ def make_task(
             )
         return loaded.target.model_validate(params or {})
     if loaded.is_game:
-        from flowrl.environments.games import GameTask
-
         return GameTask(loaded, dict(params or {}), data, eval_size, seed)
-    from flowrl.environments.plugin import PluginTask
-
     return PluginTask(loaded, dict(params or {}), data, eval_size, seed)
 
 
@@ -314,3 +254,28 @@ def make_games(
         "agents, current_agent, observation, act, final_rewards and opponent_move "
         "(docs/environments.md: 'Your own game')"
     )
+
+
+def check_environment(task: Any, timeout_s: float = DEFAULT_STEP_TIMEOUT_S) -> None:
+    """Before a job starts: an environment given as a class constructs from its params and
+    one ``reset`` on its first training row succeeds within ``timeout_s`` seconds. Raises
+    ``ValueError`` naming the cause.
+    (A task config was checked by validating its params.)"""
+    if not isinstance(task, PluginTask):
+        return
+    if isinstance(task, GameTask):
+        check_game(task)  # a game: its agents, first turn, observation and reference move
+    name = task.loaded.name
+    env = task.make_env()  # raises naming a bad parameter or the constructor's error
+    try:
+        row = task.train_source().next_batch(1)[0]
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"environment {name!r}: cannot read its first row: {exc}") from exc
+    try:
+        first_user_message(env, TimedEnv(env, timeout_s).reset(**row))
+    except Exception as exc:
+        shown = repr(row) if len(repr(row)) <= 200 else repr(row)[:200] + "…"
+        raise ValueError(
+            f"environment {name!r}: reset(**row) raised {type(exc).__name__}: {exc} "
+            f"(first training row {shown})"
+        ) from exc

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -244,9 +245,24 @@ def stop_env_pool(pool_name: str, size: int) -> None:
             pass  # never started or already gone
 
 
-TOKEN_VAR = "FLOWRL_ENV_SERVICE_TOKEN"
-"""The bearer token an ``http``-mode job sends to the environment service (an environment
-variable of the job's processes, never a config field)."""
+KEY_VAR = "FLOWRL_ENV_SERVICE_KEY"
+"""The API key an ``http``-mode job sends to the environment service (an environment variable
+of the job's processes, never a config field)."""
+DEPRECATED_KEY_VAR = "FLOWRL_ENV_SERVICE_TOKEN"
+
+
+def service_key() -> str:
+    """The key this process sends (``FLOWRL_ENV_SERVICE_KEY``; the old
+    ``FLOWRL_ENV_SERVICE_TOKEN`` still works, with a warning)."""
+    key = os.environ.get(KEY_VAR, "")
+    if not key and os.environ.get(DEPRECATED_KEY_VAR):
+        warnings.warn(
+            f"{DEPRECATED_KEY_VAR} is deprecated; set {KEY_VAR} instead",
+            FutureWarning,
+            stacklevel=2,
+        )
+        key = os.environ[DEPRECATED_KEY_VAR]
+    return key
 
 
 class EnvFactory:
@@ -270,8 +286,8 @@ class EnvFactory:
         self.mode, self.job, self.step_timeout_s = mode, job, step_timeout_s
         self._made: list[Any] = []
         self._build = env_builder(name, params) if mode == "local" else None
-        token = os.environ.get(TOKEN_VAR, "")
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        key = service_key()
+        headers = {"X-API-Key": key} if key else {}
         client_timeout = timeout_s if timeout_s is not None else step_timeout_s + HTTP_MARGIN_S
         self._client = (
             httpx.Client(base_url=service_url, timeout=client_timeout, headers=headers)

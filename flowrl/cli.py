@@ -7,6 +7,7 @@
     flowrl stack up|down|status|env [--gpus N]  # local Prefect/worker/Ray/MLflow/S3
     flowrl jobs submit|status|list|cancel|wait|metrics|result ...
     flowrl serve tinker [--keys-file F | --insecure-loopback] [--placement local|sessions|shared]
+    flowrl serve environments [--keys-file F | --insecure-loopback] [--env NAME ...]
     flowrl tinker models | tokenizer NAME --out DIR
 
 ``train`` validates the config before anything starts (a bad field fails at once, naming the
@@ -56,16 +57,36 @@ def _parser() -> argparse.ArgumentParser:
     show = sub.add_parser("config", help="Print the validated RL config (defaults filled in).")
     _add_config_arguments(show, verbose=False)
     _add_infra_commands(sub)
+    _add_serve_commands(sub)
     _add_tinker_commands(sub)
     return parser
 
 
-def _add_tinker_commands(sub) -> None:
-    serve = sub.add_parser("serve", help="Serve an API (tinker: the Tinker API).")
+SERVICES = {
+    "tinker": "The Tinker API for the official tinker SDK (base_url=http://HOST:PORT).",
+    "environments": "Environments over HTTP, for jobs with env.mode: http.",
+}
+"""What ``flowrl serve NAME`` serves. Each takes the serving layer's flags (``--host``,
+``--port``, ``--keys-file``, ``--insecure-loopback``, ``--max-body-bytes``,
+``--max-requests-per-second``) and its own: ``flowrl serve NAME --help``."""
+
+
+def _add_serve_commands(sub) -> None:
+    """``flowrl serve NAME``: listed here; its flags are the service's own (``_serve``)."""
+    serve = sub.add_parser(
+        "serve",
+        help="Serve an HTTP API: tinker (the Tinker API) or environments.",
+        description="flowrl serve NAME --help lists a service's flags.",
+    )
     what = serve.add_subparsers(dest="service", required=True)
-    api = what.add_parser(
-        "tinker",
-        help="The Tinker API for the official tinker SDK (base_url=http://HOST:PORT).",
+    for name, text in SERVICES.items():
+        what.add_parser(name, help=text, add_help=False)
+
+
+def _tinker_serve_parser() -> argparse.ArgumentParser:
+    """``flowrl serve tinker``'s flags."""
+    api = argparse.ArgumentParser(
+        prog="flowrl serve tinker",
         description="The Tinker API (docs/tinker.md). Keys (namespace:tml-key) from "
         "--keys-file or FLOWRL_TINKER_KEYS; base models from FLOWRL_TINKER_MODELS.",
     )
@@ -103,6 +124,11 @@ def _add_tinker_commands(sub) -> None:
         help="local placement: LoRA adapters resident on one base model at once (default: no "
         "limit); beyond it the least recently used model is parked and restored exactly.",
     )
+    api.set_defaults(command="serve")
+    return api
+
+
+def _add_tinker_commands(sub) -> None:
     tinker = sub.add_parser("tinker", help="Base models of the Tinker API, for thin clients.")
     tsub = tinker.add_subparsers(dest="action", required=True)
     tsub.add_parser("models", help="List the catalogue: name and URI.")
@@ -208,13 +234,16 @@ def _add_infra_commands(sub) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) >= 2 and argv[0] == "serve" and argv[1] in SERVICES:
+        return _serve(argv[1], argv[2:])
     args = _parser().parse_args(argv)
     if args.command in ("infra", "stack", "jobs"):
         return _ops(args)
-    if args.command in ("serve", "tinker"):
+    if args.command == "tinker":
         return _tinker(args)
     from flowrl.infra.configfile import ConfigError
-    from flowrl.tasks.jobs import (
+    from flowrl.tasks.schemas import (
         EvalJobConfig,
         RLJobConfig,
         SelfPlayJobConfig,
@@ -236,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "eval":
         return _eval(config, args.verbose)
     from flowrl.backends.chat import check_chat_template
-    from flowrl.backends.models import check_model_source
+    from flowrl.backends.model_uri import check_model_source
 
     try:  # before any server or worker starts
         check_model_source(config.model.source)
@@ -258,6 +287,23 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{sft_train(config)}")
         return 0
     return _train(config)
+
+
+def _serve(name: str, argv: list[str]) -> int:
+    """Run one service until interrupted; a reason it may not start is one line, exit 2."""
+    try:
+        if name == "environments":
+            from flowrl.environments.service import main as serve_environments
+
+            serve_environments(argv)
+        else:
+            return _tinker(_tinker_serve_parser().parse_args(argv))
+    except SystemExit as err:
+        if err.code is None or isinstance(err.code, int):
+            return err.code or 0
+        print(f"flowrl: {err}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _eval(config, verbose: bool) -> int:
@@ -330,7 +376,7 @@ def _tinker(args) -> int:
             f"flowrl: unknown base model {args.name!r} (have: {sorted(catalogue)})", file=sys.stderr
         )
         return 2
-    from flowrl.backends.models import load_tokenizer
+    from flowrl.backends.model_folder import load_tokenizer
 
     load_tokenizer(
         resolve_base_model(catalogue[args.name], settings.model_cache_dir)

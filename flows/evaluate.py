@@ -23,12 +23,12 @@ from prefect import flow
 from prefect.artifacts import create_table_artifact
 
 from flowrl.backends.actors import stop_policy
-from flowrl.backends.models import check_model_source, pin_model_uri
+from flowrl.backends.model_uri import check_model_source, pin_model_uri
 from flowrl.flows.lifecycle import JobRun, task_runner
 from flowrl.flows.run_page import job_run_name
 from flowrl.infra import tracking
 from flowrl.tasks.evaluate import EvalSpec, ModelScore, score_model
-from flowrl.tasks.jobs import EvalJobConfig
+from flowrl.tasks.schemas import EvalJobConfig
 
 
 @dataclass(frozen=True)

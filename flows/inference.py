@@ -13,12 +13,12 @@ from dataclasses import dataclass
 
 from prefect import flow
 
-from flowrl.backends.models import pin_model_uri
+from flowrl.backends.model_uri import pin_model_uri
 from flowrl.flows.lifecycle import JobRun, task_runner
 from flowrl.flows.run_page import job_run_name
 from flowrl.infra import tracking
 from flowrl.tasks.inference import infer
-from flowrl.tasks.jobs import InferenceJobConfig
+from flowrl.tasks.schemas import InferenceJobConfig
 
 
 @dataclass(frozen=True)

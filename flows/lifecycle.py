@@ -16,19 +16,23 @@ from typing import Any
 import ray
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
+from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ThreadPoolTaskRunner
 from ray._private import auto_init_hook
 
 from flowrl.backends.actors import (
     PolicyRef,
+    SharedPlacement,
     SharedPolicy,
+    WorkerPlan,
     sampler,
     shared_worker_name,
     shared_worker_stats,
     stop_policy,
     worker_nodes,
 )
-from flowrl.backends.models import lora_export, resolve_model_uri
+from flowrl.backends.lora_export import lora_export
+from flowrl.backends.model_uri import resolve_model_uri
 from flowrl.backends.types import LoraSettings, WorkerSpec
 from flowrl.environments.remote import stop_env_pool
 from flowrl.environments.timeouts import abandoning_calls
@@ -39,7 +43,7 @@ from flowrl.infra.redact import redact
 from flowrl.infra.scheduler import adapter_slots, gpu_slots
 from flowrl.infra.settings import get_settings
 from flowrl.infra.storage import Storage
-from flowrl.tasks.jobs import JobConfig
+from flowrl.tasks.schemas import JobConfig
 from flowrl.tasks.types import JobContext
 
 METRIC_WRITE_STEPS = 10
@@ -143,6 +147,19 @@ def _keep_sigterm_handler() -> Iterator[None]:
 def task_runner() -> RayStageRunner:
     """The stage runner every flow uses (``RayStageRunner``)."""
     return RayStageRunner()
+
+
+def shared_worker_settings() -> SharedPlacement:
+    """How this run's policies find or start a shared base-model worker: the settings' idle
+    timeout, residency and batch mixing, and the Prefect API this process talks to (where the
+    worker holds its GPU slots). The job's plan sets those slots (``ResourcesSection.plan``)."""
+    s = get_settings()
+    return SharedPlacement(
+        idle_timeout_s=s.shared_idle_s,
+        prefect_api_url=PREFECT_API_URL.value() or None,
+        resident=s.shared_resident,
+        mix_batches=s.shared_mix_batches,
+    )
 
 
 class JobRun:
@@ -259,9 +276,15 @@ class JobRun:
             model_uri=model_uri,
             cache_dir=self.ctx.cache_dir,
             seed=self.config.seed,
-            dtype=self.config.worker_plan().dtype,
+            dtype=self.config.resources.dtype,
             **settings,
         )
+
+    def worker_plan(self) -> WorkerPlan:
+        """The job's worker plan (``config.worker_plan``), a shared placement's with this run's
+        ``shared_worker_settings``."""
+        shared = self.config.resources.placement == "shared"
+        return self.config.worker_plan(shared_worker_settings() if shared else None)
 
     def start_lora_version(self, model_uri: str) -> PolicyRef:
         """A tenant of the shared worker of the base a LoRA version was trained on, sampling
@@ -296,7 +319,7 @@ class JobRun:
         each is a tag of the MLflow run (``node/sampler-0``, ``node/trainer``). ``lora``: the
         policy's LoRA settings, if not the job's (``start_lora_version``)."""
         spec = self._spec(model_uri, lora)
-        plan = self.config.worker_plan()
+        plan = self.worker_plan()
         policy = None
         if adopt is not None:
             self._policies.append(adopt)  # stopped with the run, whatever happens next

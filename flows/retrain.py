@@ -31,7 +31,7 @@ from flowrl.infra import tracking
 from flowrl.infra.settings import get_settings
 from flowrl.tasks.common import derived_seed
 from flowrl.tasks.evaluate import EvalSpec, score_model
-from flowrl.tasks.jobs import RetrainConfig, RLJobConfig
+from flowrl.tasks.schemas import RetrainConfig, RLJobConfig
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,12 @@ def should_promote(champion: float | None, challenger: float, min_improvement: f
     return champion is None or challenger > champion + min_improvement
 
 
-def challenger_job(config: RetrainConfig, round_id: str, champion: str | None) -> RLJobConfig:
+def challenger_job(
+    config: RetrainConfig, round_id: str, champion: str | None, namespace: str | None
+) -> RLJobConfig:
     job = config.job
-    source = f"models:/{job.registered_model_name}@{config.alias}" if champion else job.model.source
+    champion_uri = f"models:/{job.registered_model_name(namespace)}@{config.alias}"
+    source = champion_uri if champion else job.model.source
     return job.model_copy(
         update={
             "name": f"{job.name[:48]}-{round_id}",
@@ -71,12 +74,13 @@ def challenger_job(config: RetrainConfig, round_id: str, champion: str | None) -
     flow_run_name=job_run_name(RetrainConfig),
 )
 def retrain(config: RetrainConfig = RetrainConfig()) -> RetrainDecision:  # noqa: B008
-    get_settings().apply_to_environment()
+    settings = get_settings()
+    settings.apply_to_environment()
     logger = get_run_logger()
-    name = config.job.registered_model_name
+    name = config.job.registered_model_name(settings.namespace)
     round_id = (flow_run.get_id() or "local0000")[:8]
     champion = tracking.alias_version(name, config.alias)
-    challenger_cfg = challenger_job(config, round_id, champion)
+    challenger_cfg = challenger_job(config, round_id, champion, settings.namespace)
     origin = f"from {name}@{config.alias} (version {champion})" if champion else "(no champion)"
     logger.info("challenger: training job %s %s", challenger_cfg.name, origin)
     trained = rl_train(challenger_cfg)  # holds its own GPU slots

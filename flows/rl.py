@@ -17,9 +17,9 @@ from prefect.utilities.annotations import quote
 from flowrl.flows.lifecycle import JobRun, StepClock, due, task_runner
 from flowrl.flows.rollouts import RolloutStream, step_times
 from flowrl.flows.run_page import Column, job_run_name
-from flowrl.tasks.jobs import RLJobConfig
 from flowrl.tasks.model import describe_warmup, prepare_model, register, warmup, warmup_plan
 from flowrl.tasks.rl import checkpoint, evaluate, restore, rollout, score, update
+from flowrl.tasks.schemas import RLJobConfig
 
 
 @dataclass(frozen=True)
@@ -113,7 +113,8 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
             job.log(metrics, total)
             phase.result = f"held-out accuracy {final.accuracy:.3f} ({acc_start:.3f} before RL)"
         job.flush_metrics()  # the version links the run's own points of these metrics
-        with job.phase("registration", f"as a version of {config.registered_model_name}") as ph:
+        model_name = config.registered_model_name(job.ctx.namespace)
+        with job.phase("registration", f"as a version of {model_name}") as ph:
             registered = register.submit(
                 config, job.ctx, policy, job.run_id, metrics, base_uri
             ).result()

@@ -20,9 +20,9 @@ from prefect import flow
 from flowrl.backends.actors import PolicyRef
 from flowrl.flows.lifecycle import JobRun, StepClock, due, task_runner
 from flowrl.flows.run_page import Column, job_run_name
-from flowrl.tasks.jobs import SelfPlayJobConfig
 from flowrl.tasks.model import describe_warmup, prepare_model, register, warmup, warmup_plan
 from flowrl.tasks.rl import score, update
+from flowrl.tasks.schemas import SelfPlayJobConfig
 from flowrl.tasks.selfplay import (
     agent_context,
     checkpoint_policies,

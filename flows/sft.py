@@ -12,8 +12,8 @@ from prefect import flow
 
 from flowrl.flows.lifecycle import JobRun, task_runner
 from flowrl.flows.run_page import Column, job_run_name
-from flowrl.tasks.jobs import SFTJobConfig
 from flowrl.tasks.model import prepare_model, register
+from flowrl.tasks.schemas import SFTJobConfig
 from flowrl.tasks.sft import evaluate_exact_match, prepare_data, train_steps
 
 
@@ -71,7 +71,8 @@ def sft_train(config: SFTJobConfig) -> SFTResult:
                 job.advance(step + n, exact_match=last.exact_match)
             ph.result = f"held-out exact match {first.exact_match:.3f} -> {last.exact_match:.3f}"
         job.flush_metrics()  # the version links the run's own points of these metrics
-        with job.phase("registration", f"as a version of {config.registered_model_name}") as ph:
+        model_name = config.registered_model_name(job.ctx.namespace)
+        with job.phase("registration", f"as a version of {model_name}") as ph:
             registered = register.submit(
                 config, job.ctx, policy, job.run_id, last.metrics(), base_uri
             ).result()

@@ -24,7 +24,7 @@ from prefect import flow
 from flowrl.backends.tinker_actor import RAY_NAMESPACE, TinkerActor, actor_name
 from flowrl.flows.lifecycle import JobRun, connect_ray
 from flowrl.infra.settings import worker_environment
-from flowrl.tasks.jobs import TinkerSessionConfig
+from flowrl.tasks.schemas import TinkerSessionConfig
 
 POLL_S = 2.0
 
@@ -49,12 +49,12 @@ def tinker_session(config: TinkerSessionConfig) -> SessionResult:
             namespace=RAY_NAMESPACE,
             num_gpus=config.resources.gpus_per_worker if config.resources.gpus else 0,
             runtime_env={"env_vars": worker_environment()},
-        ).remote(config.base_uri, config.lora, run.ctx.cache_dir)
+        ).remote(config.base_uri, config.lora, config.seed, run.ctx.cache_dir)
         try:
             info = ray.get(actor.info.remote())
             run.say(
                 f"model {config.model_id} ready: {config.base_model}, LoRA rank "
-                f"{config.lora.get('rank')}, vocabulary {info['vocab_size']} "
+                f"{config.lora.r}, vocabulary {info['vocab_size']} "
                 f"({time.monotonic() - started:.1f} s)"
             )
             steps, losses = 0, 0

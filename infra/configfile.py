@@ -1,5 +1,5 @@
 """Reading job configs: YAML files, ``--set key=value`` overrides, validation errors that name
-every bad field. Schema-free: the job schemas themselves live in ``flowrl.tasks.jobs``."""
+every bad field. Schema-free: the job schemas themselves live in ``flowrl.tasks.schemas``."""
 
 from __future__ import annotations
 
@@ -146,5 +146,5 @@ def validate_config(data: dict[str, Any], kind: type[Config]) -> Config:
 
 def load_config(path: str | Path | None, overrides: list[str] | None, kind: type[Config]) -> Config:
     """Read a YAML job config (or the embedded defaults when ``path`` is None), apply
-    overrides, validate as ``kind`` (a job schema of ``flowrl.tasks.jobs``)."""
+    overrides, validate as ``kind`` (a job schema of ``flowrl.tasks.schemas``)."""
     return validate_config(read_mapping(path, overrides), kind)

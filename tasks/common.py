@@ -14,12 +14,12 @@ from flowrl.agent_loop.loop import LoopLimits, run_episodes
 from flowrl.agent_loop.types import SampleResult, Trajectory
 from flowrl.backends.actors import PolicyRef, sampler
 from flowrl.backends.chat import HFChatFormat, probe
-from flowrl.backends.models import resolve_model_uri
+from flowrl.backends.model_uri import resolve_model_uri
 from flowrl.environments.types import Environment
 from flowrl.tasks.types import EvalResult
 
 if TYPE_CHECKING:  # annotation only: the schemas import nothing from here
-    from flowrl.tasks.jobs import ModelSection
+    from flowrl.tasks.schemas import ModelSection
 
 
 def chat_format(model_uri: str, cache_dir: str, model: ModelSection) -> HFChatFormat:

@@ -19,7 +19,7 @@ from flowrl.tasks.common import (
     episode_succeeded,
     run_group_episodes,
 )
-from flowrl.tasks.jobs import InferenceJobConfig
+from flowrl.tasks.schemas import InferenceJobConfig
 from flowrl.tasks.types import InferenceOutput, JobContext
 
 

@@ -16,18 +16,17 @@ from prefect.cache_policies import NO_CACHE
 from flowrl.backends.actors import PolicyRef, run_on_ray, stop_policy, trainer
 from flowrl.backends.chat import conversation_needs, probe
 from flowrl.backends.mlflow_model import save_chat_model
-from flowrl.backends.models import (
+from flowrl.backends.model_folder import model_positions
+from flowrl.backends.model_uri import (
     CACHE_BOOKKEEPING,
-    TinyModelSpec,
-    build_tiny_model,
     build_tiny_model_once,
     cached_tiny_model,
-    model_positions,
     pin_model_uri,
     resolve_model_uri,
     tiny_model_key,
     tiny_model_slot,
 )
+from flowrl.backends.tiny_model import TinyModelSpec, build_tiny_model
 from flowrl.backends.types import WorkerSpec
 from flowrl.environments import registry
 from flowrl.environments.data import ROW_FORMATS, StaticSource
@@ -38,7 +37,7 @@ from flowrl.infra import tracking
 from flowrl.infra.scheduler import gpu_slots
 from flowrl.infra.storage import Storage
 from flowrl.tasks.common import chat_format, evaluate_policy, stable_hash
-from flowrl.tasks.jobs import JOB_KINDS, JobConfig, RLJobConfig, TrainingJobConfig
+from flowrl.tasks.schemas import JOB_KINDS, JobConfig, RLJobConfig, TrainingJobConfig
 from flowrl.tasks.sft import chat_rows, sft_steps
 from flowrl.tasks.types import JobContext, WarmupResult
 
@@ -255,10 +254,11 @@ def register(
     metrics: dict[str, float],
     base_uri: str,
 ) -> str:
-    """Register the policy as a new version of ``cfg.registered_model_name`` (any training job:
-    RL, SFT, self-play): an MLflow Model (pyfunc over the HF folder, LoRA merged) with a chat
-    signature, the job's metrics, and its lineage (base model, environment code, data files,
-    config). The HF folder is also the run's ``policy`` artifact."""
+    """Register the policy as a new version of ``cfg.registered_model_name`` in the job's
+    namespace (any training job: RL, SFT, self-play): an MLflow Model (pyfunc over the HF
+    folder, LoRA merged) with a chat signature, the job's metrics, and its lineage (base model,
+    environment code, data files, config). The HF folder is also the run's ``policy``
+    artifact."""
     storage = Storage(ctx.storage_url)
     rel = f"{ctx.prefix}/policy"
     trainer(policy).export_pretrained(ctx.storage_url, rel)
@@ -268,7 +268,7 @@ def register(
         storage.get_dir(rel, hf_dir)
         save_chat_model(hf_dir, model_dir, _example_messages(cfg))
         return tracking.register_policy(
-            run_id, hf_dir, model_dir, cfg.registered_model_name, metrics, lineage
+            run_id, hf_dir, model_dir, cfg.registered_model_name(ctx.namespace), metrics, lineage
         )
 
 

@@ -24,7 +24,6 @@ from flowrl.tasks.common import (
     evaluate_policy,
     run_group_episodes,
 )
-from flowrl.tasks.jobs import RLJobConfig
 from flowrl.tasks.records import (
     discard,
     load_data,
@@ -34,6 +33,7 @@ from flowrl.tasks.records import (
     save_rows,
     save_trajectories,
 )
+from flowrl.tasks.schemas import RLJobConfig
 from flowrl.tasks.types import EvalResult, JobContext, RolloutBatch, ScoredBatch, UpdateResult
 
 

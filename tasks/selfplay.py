@@ -33,8 +33,8 @@ from flowrl.tasks.common import (
     episode_metrics,
     evaluate_policy,
 )
-from flowrl.tasks.jobs import SelfPlayJobConfig
 from flowrl.tasks.records import save_trajectories
+from flowrl.tasks.schemas import SelfPlayJobConfig
 from flowrl.tasks.types import DuelResult, EvalResult, JobContext, RolloutBatch
 
 

@@ -17,7 +17,7 @@ from flowrl.backends.types import Datum
 from flowrl.environments.data import StaticSource, load_rows
 from flowrl.infra.storage import Storage
 from flowrl.tasks.common import chat_format
-from flowrl.tasks.jobs import SFTJobConfig
+from flowrl.tasks.schemas import SFTJobConfig
 from flowrl.tasks.types import ExactMatch, JobContext
 
 EVAL_BATCH = 64

@@ -13,7 +13,7 @@ from __future__ import annotations
 import tempfile
 
 from flowrl.backends.mlflow_model import save_chat_model
-from flowrl.backends.models import copy_model_files
+from flowrl.backends.model_folder import copy_model_files
 from flowrl.backends.tinker_service import checkpoint_folder, resolve_base_model
 from flowrl.infra import tracking
 from flowrl.infra.settings import get_settings, scoped_model_name
@@ -41,7 +41,7 @@ def register_checkpoint(path: str, name: str, experiment: str = "tinker") -> str
     """Register the checkpoint at ``path`` as a new version of ``name`` (in the namespace's
     scope); returns ``models:/<name>/<version>``."""
     from flowrl.backends.tinker_engine import TinkerModel
-    from flowrl.backends.tinker_types import LoraSpec
+    from flowrl.backends.tinker_types import read_tinker_lora
 
     settings = get_settings()
     namespace = settings.namespace
@@ -53,7 +53,7 @@ def register_checkpoint(path: str, name: str, experiment: str = "tinker") -> str
         raise ValueError(f"{path}: base model {base_name!r} is not in the catalogue")
     base_uri = settings.tinker_models[base_name]
     base_dir = resolve_base_model(base_uri, settings.model_cache_dir)
-    model = TinkerModel(base_dir, LoraSpec(**record["lora"]))
+    model = TinkerModel(base_dir, *read_tinker_lora(record["lora"]))
     model.load_state_bytes(
         {"adapter.safetensors": storage.read_bytes(f"{folder}/adapter.safetensors")}, False
     )

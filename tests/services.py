@@ -32,7 +32,7 @@ def start_env_service(
     port = free_port()
     args = [a for name in serves for a in ("--env", name)] + list(options)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "flowrl.environments.service", "--port", str(port), *args],
+        [sys.executable, "-m", "flowrl", "serve", "environments", "--port", str(port), *args],
         cwd=REPO,
         env=env,
         stdout=subprocess.DEVNULL,

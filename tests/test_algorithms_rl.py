@@ -20,10 +20,10 @@ from flowrl.backends.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from flowrl.backends.types import WorkerSpec
 from flowrl.infra.storage import Storage
 from flowrl.tasks.common import chat_format
-from flowrl.tasks.jobs import RLJobConfig
 from flowrl.tasks.model import prepare_model
 from flowrl.tasks.records import load_data
 from flowrl.tasks.rl import rollout, score, update
+from flowrl.tasks.schemas import RLJobConfig
 from flowrl.tasks.sft import sft_datum
 from flowrl.tasks.types import JobContext
 
@@ -167,7 +167,7 @@ def test_reference_is_the_starting_policy(warm_model, ctx):
 
 def test_unknown_names_fail_in_the_config():
     from flowrl.infra.configfile import ConfigError
-    from flowrl.tasks.jobs import load_job
+    from flowrl.tasks.schemas import load_job
 
     for key in ("advantage", "loss", "loss_agg", "kl_estimator"):
         with pytest.raises(ConfigError, match=f"algorithm.{key}"):

@@ -10,17 +10,33 @@ import pytest
 
 from flowrl.infra.configfile import ConfigError, parse_overrides
 from flowrl.infra.settings import Settings
-from flowrl.tasks.jobs import RLJobConfig, load_job
+from flowrl.tasks.schemas import RLJobConfig, load_job
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_shipped_configs_validate():
-    from flowrl.tasks.jobs import SelfPlayJobConfig
+    from flowrl.tasks.schemas import SelfPlayJobConfig
 
     for path in sorted((REPO / "configs").glob("*.yaml")):
         kind = SelfPlayJobConfig if "selfplay" in path.name else RLJobConfig
         assert isinstance(load_job(path, kind=kind), kind), path
+
+
+def test_the_old_schema_module_still_imports_and_warns(monkeypatch):
+    """``flowrl.tasks.jobs`` (the schemas' old home) gives users' imports the very same
+    classes, with a DeprecationWarning naming the new module."""
+    import importlib
+
+    from flowrl.tasks import schemas
+
+    monkeypatch.delitem(sys.modules, "flowrl.tasks.jobs", raising=False)
+    with pytest.warns(DeprecationWarning, match=r"flowrl\.tasks\.schemas"):
+        old = importlib.import_module("flowrl.tasks.jobs")
+    assert old.RLJobConfig is schemas.RLJobConfig and old.load_job is schemas.load_job
+    assert old.__all__ and all(getattr(old, n) is getattr(schemas, n) for n in old.__all__)
+    cfg = old.load_job(None, ["seed=3"])
+    assert isinstance(cfg, schemas.RLJobConfig) and cfg.seed == 3
 
 
 def test_overrides_are_typed_and_nested():
@@ -114,7 +130,7 @@ def test_shipped_configs_load_by_name():
     """``flowrl train arithmetic`` reads the config shipped with flowrl; an unknown name lists
     the shipped ones."""
     from flowrl.infra.configfile import ConfigError, shipped_configs
-    from flowrl.tasks.jobs import load_job
+    from flowrl.tasks.schemas import load_job
 
     assert {"arithmetic", "arithmetic-lora", "gomoku-selfplay"} <= set(shipped_configs())
     assert load_job("arithmetic") == load_job(REPO / "configs" / "arithmetic.yaml")
@@ -194,7 +210,7 @@ def test_every_config_edge_exits_2_naming_the_field_or_line(
 
 def test_retrain_refuses_a_negative_min_improvement():
     from flowrl.infra.configfile import load_config
-    from flowrl.tasks.jobs import RetrainConfig
+    from flowrl.tasks.schemas import RetrainConfig
 
     with pytest.raises(ConfigError, match="min_improvement"):
         load_config(None, ["min_improvement=-1e9"], RetrainConfig)

@@ -11,7 +11,7 @@ import torch
 
 from flowrl.backends.deepspeed_trainer import DeepSpeedTrainer, DeepSpeedZero3Trainer  # noqa: E402
 from flowrl.backends.hf_workers import HFSampler  # noqa: E402
-from flowrl.backends.models import TinyModelSpec, build_tiny_model  # noqa: E402
+from flowrl.backends.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec  # noqa: E402
 
 torch.set_num_threads(1)

@@ -24,7 +24,7 @@ from flowrl.backends.algorithms import mismatch_kl
 from flowrl.backends.hf_workers import HFSampler, TorchTrainer
 from flowrl.backends.precision import compute_dtype
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec
-from flowrl.tasks.jobs import RLJobConfig
+from flowrl.tasks.schemas import RLJobConfig
 
 torch.set_num_threads(1)
 

@@ -15,8 +15,8 @@ import pytest
 from services import start_env_service
 
 ALICE, BOB = "alice-token-0123456789abcdef", "bob-token-0123456789abcdef01"
-LIMITS = ("--max-body-bytes", "65536", "--max-episodes-per-owner", "40")
-LIMITS += ("--max-bytes-per-owner", "1000000", "--episode-ttl", "3")
+LIMITS = ("--max-body-bytes", "65536", "--max-episodes-per-namespace", "40")
+LIMITS += ("--max-bytes-per-namespace", "1000000", "--episode-ttl", "3")
 TOOL_MATH = {"name": "tool_math", "params": {}}
 ROW = {"question": "2*3=", "answer": "6"}
 SECRET_MARKERS = ("root:", "AWS_", "PATH=", "/bin/", '"status"')
@@ -24,7 +24,7 @@ SECRET_MARKERS = ("root:", "AWS_", "PATH=", "/bin/", '"status"')
 
 @pytest.fixture(scope="module")
 def service() -> Iterator[tuple[str, int]]:
-    env = dict(os.environ, FLOWRL_ENV_SERVICE_TOKENS=f"alice:{ALICE},bob:{BOB}")
+    env = dict(os.environ, FLOWRL_ENV_SERVICE_KEYS=f"alice:{ALICE},bob:{BOB}")
     env["AWS_SECRET_ACCESS_KEY"] = "service-process-secret"
     url, proc = start_env_service(env=env, options=LIMITS)
     yield url, proc.pid

@@ -152,7 +152,7 @@ def test_concurrent_resets_never_pass_the_per_owner_limit():
     """16 resets at once against one owner allowed 3 live episodes, each reset slow enough
     (0.3 s) for all of them to be in flight together: exactly 3 succeed, the rest get 429,
     the service's own count never passes 3, and the service keeps serving."""
-    options = ("--insecure-loopback", "--max-episodes-per-owner", str(LIMIT))
+    options = ("--insecure-loopback", "--max-episodes-per-namespace", str(LIMIT))
     url, proc = start_env_service(HUNG, options=options)
     seen: list[int] = []
     stop = threading.Event()
@@ -202,7 +202,7 @@ def test_a_job_with_one_hung_episode_in_16_finishes_and_counts_it(
     failed episode of 16."""
     from flowrl.flows.rl import rl_train
     from flowrl.infra.tracking import client
-    from flowrl.tasks.jobs import load_job
+    from flowrl.tasks.schemas import load_job
 
     config = load_job(
         None,
@@ -239,7 +239,7 @@ def test_a_hung_reset_fails_the_config_check_naming_the_timeout():
     the job starts instead of hanging it."""
     import pydantic
 
-    from flowrl.tasks.jobs import RLJobConfig
+    from flowrl.tasks.schemas import RLJobConfig
 
     started = time.monotonic()
     with pytest.raises(pydantic.ValidationError, match=r"reset timed out after 0.5 s"):

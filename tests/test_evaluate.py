@@ -10,7 +10,7 @@ import pytest
 
 from flowrl.infra.configfile import ConfigError
 from flowrl.tasks.evaluate import pass_at_k
-from flowrl.tasks.jobs import EvalJobConfig, load_job
+from flowrl.tasks.schemas import EvalJobConfig, load_job
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ import statistics
 import pytest
 import torch
 
-from flowrl.tasks.jobs import load_job
+from flowrl.tasks.schemas import load_job
 
 pytestmark = pytest.mark.e2e
 
@@ -79,11 +79,8 @@ def test_mlflow_run_has_per_step_metrics_and_artifacts(trained):
 def test_registered_version_loads_by_uri_and_reproduces_final_accuracy(trained, flowrl_home):
     from flowrl.backends.actors import start_policy, stop_policy
     from flowrl.backends.chat import HFChatFormat
-    from flowrl.backends.models import (
-        load_causal_lm,
-        load_tokenizer,
-        resolve_model_uri,
-    )
+    from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
+    from flowrl.backends.model_uri import resolve_model_uri
     from flowrl.backends.types import WorkerSpec
     from flowrl.tasks.common import evaluate_policy
 

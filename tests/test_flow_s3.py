@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from faults import OutageProxy
 
-from flowrl.tasks.jobs import load_job
+from flowrl.tasks.schemas import load_job
 
 OUTAGE_S = 20.0
 

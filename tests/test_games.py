@@ -15,7 +15,7 @@ from services import run_flowrl
 
 from flowrl.environments.games import PLAY_AS, GameTask, VersusOpponent
 from flowrl.environments.registry import EnvironmentLoadError, load, make_games, make_task
-from flowrl.tasks.jobs import SelfPlayJobConfig, load_job
+from flowrl.tasks.schemas import SelfPlayJobConfig, load_job
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "nim"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.tasks.jobs import load_job
+from flowrl.tasks.schemas import load_job
 
 pytestmark = pytest.mark.e2e
 
@@ -62,7 +62,8 @@ def test_the_flow_records_accuracy_and_trains_on_figures(trained):
 
 
 def test_the_registered_policy_reloads_as_a_vision_language_model(trained, flowrl_home):
-    from flowrl.backends.models import load_causal_lm, resolve_model_uri
+    from flowrl.backends.model_folder import load_causal_lm
+    from flowrl.backends.model_uri import resolve_model_uri
     from flowrl.backends.vlm import image_seq_length
 
     _, result = trained

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from flowrl.tasks.jobs import load_job
+from flowrl.tasks.schemas import load_job
 
 pytestmark = pytest.mark.e2e
 
@@ -40,7 +40,7 @@ def test_batch_inference_writes_scored_episodes_and_metrics(trained):
     from flowrl.infra.settings import get_settings
     from flowrl.infra.storage import Storage
     from flowrl.infra.tracking import client
-    from flowrl.tasks.jobs import InferenceJobConfig
+    from flowrl.tasks.schemas import InferenceJobConfig
 
     source = trained
     config = InferenceJobConfig(
@@ -80,16 +80,16 @@ def test_batch_inference_on_the_environment_service_matches_local(trained, monke
     import httpx
     from services import start_env_service
 
-    from flowrl.environments.remote import TOKEN_VAR
+    from flowrl.environments.remote import KEY_VAR
     from flowrl.flows.inference import batch_inference
     from flowrl.infra.settings import get_settings
     from flowrl.infra.storage import Storage
-    from flowrl.tasks.jobs import InferenceJobConfig
+    from flowrl.tasks.schemas import InferenceJobConfig
 
     token = "inference-token-0123456789abcdef"
-    service_env = dict(os.environ, FLOWRL_ENV_SERVICE_TOKENS=f"tester:{token}")
+    service_env = dict(os.environ, FLOWRL_ENV_SERVICE_KEYS=f"tester:{token}")
     url, proc = start_env_service(env=service_env, options=())
-    monkeypatch.setenv(TOKEN_VAR, token)
+    monkeypatch.setenv(KEY_VAR, token)
     storage = Storage(get_settings().storage_root)
     episodes = {}
     try:

@@ -65,6 +65,19 @@ def test_no_layer_imports_what_it_must_never_import():
     assert not bad, "\n".join(bad)
 
 
+def test_nothing_in_flowrl_imports_the_deprecated_schema_module():
+    """``flowrl.tasks.jobs`` only keeps users' old imports working (it warns): flowrl's own
+    code imports the job schemas from ``flowrl.tasks.schemas``."""
+    bad = [
+        f"{path.relative_to(REPO)}:{line}"
+        for paths in _modules().values()
+        for path in paths
+        for line, module in _imports(path)
+        if module == "flowrl.tasks.jobs"
+    ]
+    assert not bad, bad
+
+
 def test_nothing_imports_the_cli_and_no_bare_top_level_names():
     """The CLI sits on top; code reaches flowrl only through the ``flowrl.`` root."""
     bad = []

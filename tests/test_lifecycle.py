@@ -17,7 +17,7 @@ import pytest
 from flowrl.backends import actors
 from flowrl.backends.actors import ActorResources, WorkerPlan
 from flowrl.environments.arithmetic import ArithmeticTask
-from flowrl.tasks.jobs import (
+from flowrl.tasks.schemas import (
     InferenceJobConfig,
     RLJobConfig,
     SelfPlayJobConfig,

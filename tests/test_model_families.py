@@ -284,10 +284,11 @@ import json, sys
 import mlflow
 import ray
 from flowrl.backends.chat import HFChatFormat, generation_eos_ids
-from flowrl.backends.models import load_tokenizer, resolve_model_uri
+from flowrl.backends.model_folder import load_tokenizer
+from flowrl.backends.model_uri import resolve_model_uri
 from flowrl.flows.rl import rl_train
 from flowrl.infra.settings import get_settings
-from flowrl.tasks.jobs import load_job
+from flowrl.tasks.schemas import load_job
 
 settings = get_settings()
 settings.apply_to_environment()

@@ -15,8 +15,8 @@ import boto3
 import pytest
 from pydantic import ValidationError
 
-from flowrl.infra.settings import Settings, scoped_model_name
-from flowrl.tasks.jobs import RLJobConfig
+from flowrl.infra.settings import Settings, get_settings, scoped_model_name
+from flowrl.tasks.schemas import RLJobConfig
 from flowrl.tasks.types import JobContext
 
 JOB = """\
@@ -36,8 +36,11 @@ def test_a_namespace_scopes_the_prefix_cache_and_model_name(monkeypatch):
     assert alice.checkpoint_prefix == "ns/alice/jobs/job/checkpoints"
     assert scoped_model_name("m", "alice") == "alice_m" and scoped_model_name("m", None) == "m"
     monkeypatch.setenv("FLOWRL_NAMESPACE", "alice")
-    assert RLJobConfig(name="job").registered_model_name == "alice_job"
-    assert RLJobConfig(name="job", register_as="Other-1").registered_model_name == "alice_Other-1"
+    namespace = get_settings().namespace
+    assert RLJobConfig(name="job").registered_model_name(namespace) == "alice_job"
+    assert RLJobConfig(name="job", register_as="Other-1").registered_model_name(namespace) == (
+        "alice_Other-1"
+    )
     # A job cannot name a model of another namespace, nor choose an unfit namespace.
     with pytest.raises(ValidationError, match="register_as"):
         RLJobConfig(register_as="bob_job")

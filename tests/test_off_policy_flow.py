@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowrl.tasks.jobs import load_job
+from flowrl.tasks.schemas import load_job
 from flowrl.tasks.types import RolloutBatch
 
 STEPS, ROWS, EVERY = 6, 4, 3

@@ -133,7 +133,7 @@ def test_rows_from_files_go_to_reset_and_reshuffle_each_epoch(user_folder, tmp_p
     train.write_text("".join(json.dumps({"seed": s, "tag": "t"}) + "\n" for s in range(5)))
     held.write_text(json.dumps({"seed": 99}) + "\n")
 
-    from flowrl.tasks.jobs import EnvDataSection
+    from flowrl.tasks.schemas import EnvDataSection
 
     data = EnvDataSection(train=str(train), eval=str(held))
     task = make_task("my_recall:Recall", {}, data=data, seed=0)
@@ -358,8 +358,8 @@ def test_the_readme_example_trains_with_the_readme_command_and_reward_rises(tmp_
 def test_a_class_without_demonstrations_skips_warmup_saying_why(user_folder):
     """Warm-up needs demonstrations (the class's or ``warmup.data``); without them it is skipped
     and says so, and the registered model's input example still comes from the environment."""
-    from flowrl.tasks.jobs import load_job
     from flowrl.tasks.model import _example_messages, warmup
+    from flowrl.tasks.schemas import load_job
 
     (user_folder / "my_plain.py").write_text(
         "from my_recall import Recall\n\nclass Plain(Recall):\n    demonstration = None\n"

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-from flowrl.tasks.jobs import RLJobConfig, SelfPlayJobConfig
+from flowrl.tasks.schemas import RLJobConfig, SelfPlayJobConfig
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "docs" / "config_tables.py"

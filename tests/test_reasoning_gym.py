@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from flowrl.environments import reasoning_gym as rg_env
 from flowrl.environments.registry import EnvironmentLoadError, env_builder, load, make_task
-from flowrl.tasks.jobs import load_job
+from flowrl.tasks.schemas import load_job
 
 # One arithmetic, one algorithmic, one logic dataset: small configs keep them quick.
 DATASETS = {

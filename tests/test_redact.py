@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from flowrl.infra.redact import is_secret_key, redact, redact_text
 from flowrl.infra.tracking import Lineage, flatten
-from flowrl.tasks.jobs import RLJobConfig
+from flowrl.tasks.schemas import RLJobConfig
 
 
 def leaf_fields(model: type, prefix: str = "") -> set[str]:

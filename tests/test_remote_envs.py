@@ -170,7 +170,7 @@ def test_killing_the_service_mid_run_fails_episodes_cleanly():
 
 def test_http_mode_needs_a_service_url():
     from flowrl.infra.configfile import ConfigError
-    from flowrl.tasks.jobs import load_job
+    from flowrl.tasks.schemas import load_job
 
     with pytest.raises(ConfigError, match="service_url"):
         load_job(None, ["env.mode=http"])

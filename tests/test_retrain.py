@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from flowrl.flows.retrain import should_promote
-from flowrl.tasks.jobs import load_job
+from flowrl.tasks.schemas import load_job
 
 pytestmark = pytest.mark.e2e
 MODEL = "retrain-model"
@@ -24,7 +24,7 @@ def test_the_gate():
 
 def _round(overrides: list[str], min_improvement: float = 0.0):
     from flowrl.flows.retrain import retrain
-    from flowrl.tasks.jobs import RetrainConfig
+    from flowrl.tasks.schemas import RetrainConfig
 
     job = load_job(
         None,

@@ -16,7 +16,7 @@ from prefect import flow
 from flowrl.flows.lifecycle import JobRun
 from flowrl.flows.rl import COLUMNS
 from flowrl.flows.run_page import job_run_name
-from flowrl.tasks.jobs import RLJobConfig
+from flowrl.tasks.schemas import RLJobConfig
 
 pytestmark = pytest.mark.e2e
 

@@ -20,10 +20,10 @@ from flowrl.backends.actors import (
     trainer,
 )
 from flowrl.backends.chat import HFChatFormat
-from flowrl.backends.models import load_tokenizer
+from flowrl.backends.model_folder import load_tokenizer
 from flowrl.backends.types import Datum, WorkerSpec
 from flowrl.tasks.common import derived_seed, run_group_episodes
-from flowrl.tasks.jobs import load_job
+from flowrl.tasks.schemas import load_job
 
 REPO = Path(__file__).resolve().parents[1]
 _names = itertools.count()

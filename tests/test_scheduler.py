@@ -12,7 +12,7 @@ import pytest
 
 from flowrl.infra.deployments import check_deployments, load_deployments
 from flowrl.infra.scheduler import AdmissionError, check_admission, load_scheduler
-from flowrl.tasks.jobs import RLJobConfig, load_job
+from flowrl.tasks.schemas import RLJobConfig, load_job
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from flowrl.tasks.jobs import SelfPlayJobConfig
+from flowrl.tasks.schemas import SelfPlayJobConfig
 
 pytestmark = pytest.mark.e2e
 

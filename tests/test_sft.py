@@ -17,8 +17,8 @@ from flowrl.backends.actors import start_policy, stop_policy
 from flowrl.backends.types import LoraSettings, WorkerSpec
 from flowrl.environments.arithmetic import ArithmeticTask
 from flowrl.infra.configfile import ConfigError
-from flowrl.tasks.jobs import SFTJobConfig, load_job
 from flowrl.tasks.model import prepare_model
+from flowrl.tasks.schemas import SFTJobConfig, load_job
 from flowrl.tasks.sft import evaluate_exact_match, prepare_data, train_steps
 from flowrl.tasks.types import JobContext
 

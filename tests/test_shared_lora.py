@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from flowrl.backends.tinker_engine import SharedBase, TinkerModel
-from flowrl.backends.tinker_types import Datum, LoraSpec, SampleParams, TinkerInputError
+from flowrl.backends.tinker_types import Datum, SampleParams, TinkerInputError, tinker_lora
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
 
@@ -57,9 +57,9 @@ def test_tenants_share_the_base_and_are_isolated_bit_for_bit(base_dir: str) -> N
     between B's calls, and the same as B's on a base of its own; A's training changes neither
     B's adapter nor the base weights, which exist once."""
     shared = SharedBase(base_dir)
-    a = TinkerModel(shared, LoraSpec(rank=4, seed=1), name="a")
-    b = TinkerModel(shared, LoraSpec(rank=8, seed=2), name="b")
-    alone = TinkerModel(base_dir, LoraSpec(rank=8, seed=2), name="b")
+    a = TinkerModel(shared, tinker_lora(rank=4), seed=1, name="a")
+    b = TinkerModel(shared, tinker_lora(rank=8), seed=2, name="b")
+    alone = TinkerModel(base_dir, tinker_lora(rank=8), seed=2, name="b")
     base_weight = shared.base.get_input_embeddings().weight
     before_base = base_weight.detach().clone()
     _train(b, 100)
@@ -80,9 +80,9 @@ def test_a_parked_tenant_is_restored_exactly(base_dir: str) -> None:
     """With one adapter slot, tenants take turns (each call may park the other, with its
     gradients accumulated so far); A ends bit-identical to A trained alone."""
     shared = SharedBase(base_dir, slots=1)
-    a = TinkerModel(shared, LoraSpec(rank=4, seed=3), name="a")
-    b = TinkerModel(shared, LoraSpec(rank=4, seed=4), name="b")
-    alone = TinkerModel(base_dir, LoraSpec(rank=4, seed=3), name="a")
+    a = TinkerModel(shared, tinker_lora(rank=4), seed=3, name="a")
+    b = TinkerModel(shared, tinker_lora(rank=4), seed=4, name="b")
+    alone = TinkerModel(base_dir, tinker_lora(rank=4), seed=3, name="a")
     for model in (a, alone):
         model.generator.manual_seed(5)
     for step in range(3):
@@ -102,11 +102,11 @@ def test_a_parked_tenant_is_restored_exactly(base_dir: str) -> None:
 def test_a_tenant_joins_a_live_base_without_loading_it_again(base_dir: str) -> None:
     started = time.perf_counter()
     shared = SharedBase(base_dir)
-    TinkerModel(shared, LoraSpec(rank=4, seed=1), name="first")
+    TinkerModel(shared, tinker_lora(rank=4), seed=1, name="first")
     load_s = time.perf_counter() - started
     base = shared.base
     started = time.perf_counter()
-    late = TinkerModel(shared, LoraSpec(rank=4, seed=2), name="late")
+    late = TinkerModel(shared, tinker_lora(rank=4), seed=2, name="late")
     join_s = time.perf_counter() - started
     print(f"\nbase + first tenant {load_s * 1000:.0f} ms, a tenant joining {join_s * 1000:.0f} ms")
     assert shared.base is base and join_s < load_s
@@ -119,9 +119,9 @@ def test_a_failing_tenant_fails_alone(base_dir: str) -> None:
     """A bad batch is refused and a diverged adapter (NaN weights) stays its own: the other
     tenant trains on as if alone."""
     shared = SharedBase(base_dir)
-    bad = TinkerModel(shared, LoraSpec(rank=4, seed=1), name="bad")
-    good = TinkerModel(shared, LoraSpec(rank=4, seed=2), name="good")
-    alone = TinkerModel(base_dir, LoraSpec(rank=4, seed=2), name="good")
+    bad = TinkerModel(shared, tinker_lora(rank=4), seed=1, name="bad")
+    good = TinkerModel(shared, tinker_lora(rank=4), seed=2, name="good")
+    alone = TinkerModel(base_dir, tinker_lora(rank=4), seed=2, name="good")
     with pytest.raises(TinkerInputError, match="vocabulary"):
         bad.forward_backward(
             [Datum([5, 10_000], {"target_tokens": np.array([6, 7])})], "cross_entropy"

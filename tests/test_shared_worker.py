@@ -256,7 +256,7 @@ def test_a_tinker_model_is_a_tenant_of_the_worker_jobs_use(
     from services import TinkerServer
     from tinker import types
 
-    from flowrl.backends.models import load_tokenizer
+    from flowrl.backends.model_folder import load_tokenizer
     from flowrl.backends.tinker_actor import SharedWorkerPlacement
     from flowrl.backends.tinker_service import TinkerService, resolve_base_model
 
@@ -364,7 +364,7 @@ def test_the_worker_holds_its_gpu_slots_once(prefect_api, ray_local, spec, monke
 
 
 def _job(name: str, seed: int):
-    from flowrl.tasks.jobs import load_job
+    from flowrl.tasks.schemas import load_job
 
     return load_job(
         None,
@@ -444,7 +444,7 @@ def test_rl_jobs_are_tenants_admitted_by_adapter_slots(
     from flowrl.flows.inference import batch_inference
     from flowrl.infra.settings import get_settings
     from flowrl.infra.storage import Storage
-    from flowrl.tasks.jobs import InferenceJobConfig
+    from flowrl.tasks.schemas import InferenceJobConfig
 
     episodes = {}
     for placement in ("shared", "own"):

@@ -18,7 +18,7 @@ from flowrl.cli import main
 from flowrl.environments import textarena as ta_env
 from flowrl.environments.games import PLAY_AS, VersusOpponent, winner
 from flowrl.environments.registry import EnvironmentLoadError, load, make_games, make_task
-from flowrl.tasks.jobs import SelfPlayJobConfig, load_job
+from flowrl.tasks.schemas import SelfPlayJobConfig, load_job
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "tictactoe-selfplay.yaml"

@@ -85,7 +85,7 @@ def _finish_sessions(request: pytest.FixtureRequest) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def tokenizer(home: Path):
-    from flowrl.backends.models import load_tokenizer
+    from flowrl.backends.model_folder import load_tokenizer
 
     return load_tokenizer(base_folder("tiny", str(home / "model-cache")))
 
@@ -243,7 +243,7 @@ def test_a_sampler_checkpoint_registers_as_an_mlflow_model(
     import pandas as pd
     import torch
 
-    from flowrl.backends.models import load_causal_lm
+    from flowrl.backends.model_folder import load_causal_lm
     from flowrl.cli import main
     from flowrl.infra.tracking import download_model
 

@@ -21,14 +21,13 @@ from flowrl.agent_loop.types import Trajectory
 from flowrl.backends.actors import sampler, start_policy, stop_policy, sync_weights, trainer
 from flowrl.backends.chat import HFChatFormat
 from flowrl.backends.hf_workers import HFSampler, TorchTrainer
-from flowrl.backends.models import (
+from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
+from flowrl.backends.tiny_model import (
     IMAGE_TOKEN,
     TinyModelSpec,
     TinyVisionSpec,
     build_tiny_model,
     build_tokenizer,
-    load_causal_lm,
-    load_tokenizer,
 )
 from flowrl.backends.types import Datum, WorkerSpec
 from flowrl.backends.vlm import ImageInputs, image_seq_length

@@ -25,10 +25,7 @@ from flowrl.backends.actors import (
     trainer,
 )
 from flowrl.backends.chat import HFChatFormat
-from flowrl.backends.models import (
-    load_causal_lm,
-    load_tokenizer,
-)
+from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec
 from flowrl.infra.storage import Storage, latest_checkpoint
 

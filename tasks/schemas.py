@@ -3,12 +3,15 @@
 A bad value fails at once with the field's dotted name, before any job starts. Each job kind
 extends ``JobConfig`` (identity, model, resources); its model is the parameter of its flow, so
 the Prefect UI shows it as a form. Sections carry their own resolvers (``rollout.limits()``,
-``resources.plan()``) so no stage builds them by hand. Reading YAML and ``--set`` overrides is
+``resources.plan()``) so no stage builds them by hand. The models are pure: what depends on
+where a job runs (settings, the Prefect API, the namespace) is resolved by the run
+(``flowrl.flows.lifecycle``) and passed in. Reading YAML and ``--set`` overrides is
 ``flowrl.infra.configfile``.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal
 
@@ -24,7 +27,7 @@ from pydantic import (
 
 from flowrl.agent_loop.loop import LoopLimits
 from flowrl.backends.actors import ActorResources, SharedPlacement, WorkerPlan
-from flowrl.backends.models import TinyModelSpec
+from flowrl.backends.tiny_model import TinyModelSpec
 from flowrl.backends.types import (
     ADVANTAGE_NAMES,
     KL_ESTIMATOR_NAMES,
@@ -34,12 +37,17 @@ from flowrl.backends.types import (
     Precision,
 )
 from flowrl.environments.data import ROW_FORMATS
-from flowrl.environments.plugin import check_environment
-from flowrl.environments.registry import EnvironmentLoadError, load, make_games, make_task
+from flowrl.environments.registry import (
+    EnvironmentLoadError,
+    check_environment,
+    load,
+    make_games,
+    make_task,
+)
 from flowrl.environments.types import TaskConfig
 from flowrl.infra.configfile import STRICT_MODEL_CONFIG, Config, load_config
 from flowrl.infra.redact import redact_text
-from flowrl.infra.settings import get_settings, scoped_model_name
+from flowrl.infra.settings import scoped_model_name
 
 JOB_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9-]{0,79}$"
@@ -412,11 +420,16 @@ class ResourcesSection(_Section, title="Resources"):
             )
         return self
 
-    def plan(self, on_policy: bool = True) -> WorkerPlan:
+    def plan(
+        self, on_policy: bool = True, shared_worker: SharedPlacement | None = None
+    ) -> WorkerPlan:
         """How every policy worker of the job starts, warm-up included: the job's GPU slots
         split evenly between a policy's samplers and trainer unless set per worker (a
         colocated policy's one actor holds them all), its backends and its precision.
-        ``on_policy``: the job never samples while it trains (``colocate`` unset)."""
+        ``on_policy``: the job never samples while it trains (``colocate`` unset).
+        ``shared_worker`` (needed with ``placement`` shared): how the run finds or starts its
+        shared worker, from its settings and Prefect API (``flows.lifecycle`` resolves them);
+        the worker's GPU slots are the job's ``gpus``."""
         colocate = self.colocate
         if colocate is None:
             backends = (self.sampler_backend, self.trainer_backend)
@@ -425,7 +438,13 @@ class ResourcesSection(_Section, title="Resources"):
         per_worker = self.gpus_per_worker or self.gpus / workers
         shared = None
         if self.placement == "shared":
-            shared, per_worker = self._shared_placement(), self.gpus_per_worker or self.gpus
+            if shared_worker is None:
+                raise ValueError(
+                    "resources.placement shared: plan() needs the run's shared_worker settings "
+                    "(flows.lifecycle.shared_worker_settings)"
+                )
+            shared = replace(shared_worker, gpus=self.gpus)
+            per_worker = self.gpus_per_worker or self.gpus
         return WorkerPlan(
             resources=ActorResources(num_cpus=1, num_gpus=per_worker),
             sampler_backend=self.sampler_backend,
@@ -436,17 +455,6 @@ class ResourcesSection(_Section, title="Resources"):
             trainer_threads=self.trainer_threads,
             colocate=colocate,
             shared=shared,
-        )
-
-    def _shared_placement(self) -> SharedPlacement:
-        from prefect.settings import PREFECT_API_URL
-
-        return SharedPlacement(
-            gpus=self.gpus,
-            idle_timeout_s=get_settings().shared_idle_s,
-            prefect_api_url=PREFECT_API_URL.value() or None,
-            resident=get_settings().shared_resident,
-            mix_batches=get_settings().shared_mix_batches,
         )
 
 
@@ -531,11 +539,12 @@ class JobConfig(_Section):
         """``WorkerSpec`` fields this job kind sets for its policy workers."""
         return {"lora": self.model.lora}
 
-    def worker_plan(self) -> WorkerPlan:
+    def worker_plan(self, shared_worker: SharedPlacement | None = None) -> WorkerPlan:
         """``resources.plan()`` for this job: on-policy unless it samples ahead of its
-        updates (``schedule.off_policy_steps``)."""
+        updates (``schedule.off_policy_steps``); ``shared_worker`` as there."""
         schedule = getattr(self, "schedule", None)
-        return self.resources.plan(on_policy=not getattr(schedule, "off_policy_steps", 0))
+        on_policy = not getattr(schedule, "off_policy_steps", 0)
+        return self.resources.plan(on_policy, shared_worker)
 
 
 class TrainingJobConfig(JobConfig):
@@ -553,11 +562,10 @@ class TrainingJobConfig(JobConfig):
         """The registered model's own name, before any namespace."""
         return self.register_as or self.name
 
-    @property
-    def registered_model_name(self) -> str:
-        """The name registered in MLflow: ``<FLOWRL_NAMESPACE>_<model_name>``, or
-        ``model_name`` without a namespace."""
-        return scoped_model_name(self.model_name, get_settings().namespace)
+    def registered_model_name(self, namespace: str | None) -> str:
+        """The name registered in MLflow for a job of ``namespace`` (the run's
+        ``FLOWRL_NAMESPACE``): ``<namespace>_<model_name>``, or ``model_name`` without one."""
+        return scoped_model_name(self.model_name, namespace)
 
     @property
     def optimiser(self) -> AlgorithmSection | SFTTrainSection:
@@ -777,8 +785,8 @@ class RetrainConfig(_Section):
     def worker_settings(self) -> dict[str, Any]:
         return self.job.worker_settings()
 
-    def worker_plan(self) -> WorkerPlan:
-        return self.job.worker_plan()
+    def worker_plan(self, shared_worker: SharedPlacement | None = None) -> WorkerPlan:
+        return self.job.worker_plan(shared_worker)
 
 
 class EvalJobConfig(JobConfig):
@@ -852,10 +860,13 @@ def load_job(
 
 
 class TinkerSessionConfig(JobConfig, title="Tinker session"):
-    """One training model of a Tinker API session (the service fills it in)."""
+    """One training model of a Tinker API session (the service fills it in). Its ``seed`` is
+    the model's: its adapter's initial weights and its sampling RNG."""
 
     model_id: str = Field(description="The Tinker model id (<session>:train:<n>).")
     base_model: str = Field(description="Catalogue name of the base model.")
     base_uri: str = Field(description="Where the base model is (folder, s3://, models:/, tiny).")
-    lora: dict[str, Any] = Field(description="rank, seed, train_mlp, train_attn, train_unembed.")
+    lora: LoraSettings = Field(
+        description="The model's adapter: the client's Tinker LoraConfig (tinker_lora)."
+    )
     owner: str | None = Field(default=None, description="The API key's namespace.")
