@@ -23,9 +23,7 @@ from typing import Any
 import ray
 
 from flowrl.backends.types import Precision, WorkerSpec
-from flowrl.infra.settings import worker_environment
-
-NAMESPACE = "flowrl"
+from flowrl.infra.settings import RAY_NAMESPACE, worker_environment
 
 # Workers started with local=True live here, keyed by their would-be actor name.
 _LOCAL_WORKERS: dict[str, Any] = {}
@@ -254,7 +252,7 @@ def start_policy(
     if shared is not None:
         return SharedPolicy.start(name, specs, shared, resources)
     options = {
-        "namespace": NAMESPACE,
+        "namespace": RAY_NAMESPACE,
         "num_cpus": resources.num_cpus,
         "num_gpus": resources.num_gpus,
         "max_concurrency": 1,
@@ -359,10 +357,10 @@ class PolicyRef:
 
     def sampler_worker(self, index: int = 0) -> _Proxy:
         """Sampler ``index`` (``len(self.samplers)`` of them)."""
-        return _Proxy(ray.get_actor(self.samplers[index], namespace=NAMESPACE), True, "sampler")
+        return _Proxy(ray.get_actor(self.samplers[index], namespace=RAY_NAMESPACE), True, "sampler")
 
     def trainer_worker(self) -> _Proxy:
-        return _Proxy(ray.get_actor(self.trainer, namespace=NAMESPACE), True, "trainer")
+        return _Proxy(ray.get_actor(self.trainer, namespace=RAY_NAMESPACE), True, "trainer")
 
     def weights_version(self) -> int:
         """The weights version every sampler holds (they are synced together; a disagreement
@@ -377,7 +375,7 @@ class PolicyRef:
 
     def nodes(self) -> dict[str, str]:
         """The Ray node each worker runs on, by actor name."""
-        handles = [ray.get_actor(name, namespace=NAMESPACE) for name in self.actors]
+        handles = [ray.get_actor(name, namespace=RAY_NAMESPACE) for name in self.actors]
         places = ray.get([h.where.remote() for h in handles])
         return {name: node for name, (node, _) in zip(self.actors, places, strict=True)}
 
@@ -398,7 +396,7 @@ class PolicyRef:
         for name in self.actors:
             handle = _OWNED_ACTORS.pop(name, None)  # dropping the last handle lets Ray end it
             try:
-                handles.append(handle or ray.get_actor(name, namespace=NAMESPACE))
+                handles.append(handle or ray.get_actor(name, namespace=RAY_NAMESPACE))
             except ValueError:
                 pass  # already gone
         if not handles:  # gone already (no Ray call: it would start a Ray)
@@ -451,13 +449,13 @@ class SplitPolicy(PolicyRef):
     def sync(self) -> int:
         # The weights travel trainer -> object store -> samplers (one copy in the store,
         # fetched by each sampler's node), never through this process.
-        weights = ray.get_actor(self.trainer, namespace=NAMESPACE).call.remote("get_weights")
-        handles = [ray.get_actor(name, namespace=NAMESPACE) for name in self.samplers]
+        weights = ray.get_actor(self.trainer, namespace=RAY_NAMESPACE).call.remote("get_weights")
+        handles = [ray.get_actor(name, namespace=RAY_NAMESPACE) for name in self.samplers]
         return min(ray.get([h.call.remote("set_weights", weights) for h in handles]))
 
     def restart(self, specs: dict[str, WorkerSpec]) -> bool:
         roles = {**dict.fromkeys(self.samplers, "sampler"), self.trainer: "trainer"}
-        handles = {n: ray.get_actor(n, namespace=NAMESPACE) for n in roles}
+        handles = {n: ray.get_actor(n, namespace=RAY_NAMESPACE) for n in roles}
         return all(ray.get([handles[n].restart.remote(specs[r]) for n, r in roles.items()]))
 
 
@@ -484,10 +482,10 @@ class ColocatedPolicy(PolicyRef):
         return ref
 
     def sync(self) -> int:
-        return ray.get(ray.get_actor(self.trainer, namespace=NAMESPACE).sync.remote())
+        return ray.get(ray.get_actor(self.trainer, namespace=RAY_NAMESPACE).sync.remote())
 
     def restart(self, specs: dict[str, WorkerSpec]) -> bool:
-        return ray.get(ray.get_actor(self.trainer, namespace=NAMESPACE).restart.remote(specs))
+        return ray.get(ray.get_actor(self.trainer, namespace=RAY_NAMESPACE).restart.remote(specs))
 
 
 @dataclass(frozen=True)
@@ -602,7 +600,7 @@ class SharedPolicy(PolicyRef):
         return cls(samplers=(worker,), trainer=worker, tenant=name)
 
     def _host(self) -> Any:
-        return ray.get_actor(self.trainer, namespace=NAMESPACE)
+        return ray.get_actor(self.trainer, namespace=RAY_NAMESPACE)
 
     def sampler_worker(self, index: int = 0) -> _Proxy:
         return _Proxy(self._host(), True, self.tenant, "sampler")
@@ -643,7 +641,7 @@ def join_shared_worker(
             ray.remote(SharedHost)
             .options(
                 name=worker,
-                namespace=NAMESPACE,
+                namespace=RAY_NAMESPACE,
                 lifetime="detached",
                 get_if_exists=True,
                 num_cpus=resources.num_cpus,
@@ -672,7 +670,7 @@ def join_shared_worker(
 
 def shared_worker_stats(name: str) -> dict[str, Any]:
     """What the shared worker ``name`` holds (``SharedWorker.stats``)."""
-    return ray.get(ray.get_actor(name, namespace=NAMESPACE).do.remote("stats"))
+    return ray.get(ray.get_actor(name, namespace=RAY_NAMESPACE).do.remote("stats"))
 
 
 def run_on_ray(fn: Callable[..., Any], *args: Any) -> Any:

@@ -16,8 +16,8 @@ tenant's draws do not depend on whose rows share the batch. A call that arrives 
 job's own sampler would, bit for bit. If a batch together fails, each call in it runs alone, so
 a bad call fails only its tenant.
 
-The worker's base and adapters are a ``tinker_engine.SharedBase``: Tinker API training models
-(``tinker_join``; ``backends.tinker_actor.SharedWorkerPlacement``) are adapters on the same
+The worker's base and adapters are a ``tinker.engine.SharedBase``: Tinker API training models
+(``tinker_join``; ``backends.tinker.placement.SharedWorkerPlacement``) are adapters on the same
 base, next to the jobs', with the verbs and state of the Tinker API's own models.
 
 With ``resident`` set, at most that many tenants keep their tensors in memory: a call of a
@@ -53,7 +53,7 @@ from flowrl.backends.hf_workers import HFSampler, TorchTrainer, _device, lora_co
 from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
 from flowrl.backends.model_uri import resolve_model_uri
 from flowrl.backends.precision import forward_autocast
-from flowrl.backends.tinker_engine import SharedBase, TinkerModel
+from flowrl.backends.tinker.engine import SharedBase, TinkerModel
 from flowrl.backends.types import LoraSettings, WorkerSpec
 
 
@@ -124,7 +124,7 @@ class SharedWorker:
         model = load_causal_lm(self.path, torch.float32).to(self.device)
         model.requires_grad_(False)
         self.tokenizer = load_tokenizer(self.path)
-        # The base and its adapters, as the Tinker API's models hold theirs (tinker_engine).
+        # The base and its adapters, as the Tinker API's models hold theirs (tinker.engine).
         self.shared = SharedBase(self.path, self.device, loaded=(model, self.tokenizer))
         self.tenants: dict[str, _Tenant] = {}
         self.tinker: dict[str, _TinkerTenant] = {}  # Tinker API models (``tinker_join``)
@@ -294,7 +294,7 @@ class SharedWorker:
     def tinker_join(
         self, model_id: str, lora: LoraSettings, seed: int | None = None
     ) -> dict[str, int]:
-        """A Tinker API training model (``backends.tinker_engine.TinkerModel`` of ``lora`` and
+        """A Tinker API training model (``backends.tinker.engine.TinkerModel`` of ``lora`` and
         ``seed``) on this worker's base: its adapter, AdamW and RNG next to the tenants'; the
         model's vocabulary size and context length."""
         return self._work(self._tinker_join, model_id, lora, seed, time.monotonic())

@@ -47,7 +47,7 @@ UNEMBED_MODULES = ("lm_head",)
 
 class LoraSettings(BaseModel, title="LoRA"):
     """LoRA adapter settings (peft), of a job's policy (``model.lora``) and of a Tinker API
-    training model alike (``tinker_types.tinker_lora``: the Tinker SDK's ``LoraConfig`` as
+    training model alike (``tinker.types.tinker_lora``: the Tinker SDK's ``LoraConfig`` as
     these). Disabled means full-parameter training."""
 
     model_config = STRICT_MODEL_CONFIG

@@ -44,8 +44,8 @@ def child(size: str, setup: str, home: str) -> dict:
     import psutil
     import torch
 
-    from flowrl.backends.tinker_engine import SharedBase, TinkerModel
-    from flowrl.backends.tinker_types import Datum, tinker_lora
+    from flowrl.backends.tinker.engine import SharedBase, TinkerModel
+    from flowrl.backends.tinker.types import Datum, tinker_lora
     from flowrl.backends.tiny_model import TinyModelSpec, build_tiny_model
 
     torch.set_num_threads(1)

@@ -78,9 +78,9 @@ def measure(calls: int, warmup: int, block: int, home: Path) -> dict[str, dict[s
     from tinker import ServiceClient
     from tinker import types as tt
 
-    from flowrl.backends.tinker_engine import TinkerModel
-    from flowrl.backends.tinker_service import resolve_base_model
-    from flowrl.backends.tinker_types import Datum, SampleParams, tinker_lora
+    from flowrl.backends.tinker.checkpoints import resolve_base_model
+    from flowrl.backends.tinker.engine import TinkerModel
+    from flowrl.backends.tinker.types import Datum, SampleParams, tinker_lora
     from flowrl.infra.settings import get_settings
 
     torch.set_num_threads(1)

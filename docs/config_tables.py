@@ -13,8 +13,6 @@ kinds show only the top-level fields and sections that differ from ``rl-train``'
 
 from __future__ import annotations
 
-import argparse
-import difflib
 import inspect
 import math
 import sys
@@ -27,6 +25,9 @@ from typing import Any
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling generated_block.py
+from generated_block import Block  # noqa: E402
 
 from flowrl.tasks.schemas import JOB_KINDS, RetrainConfig, RLJobConfig
 
@@ -313,55 +314,15 @@ def render() -> str:
 
 # ------------------------------------------------------------------- the guide's block
 
-
-def read_block(text: str) -> str:
-    """The document's current block (between the markers, markers excluded)."""
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"the document has no {BEGIN} ... {END} block")
-    return text[start + len(BEGIN) :].split(END, 1)[0].removeprefix("\n")
-
-
-def replace_block(text: str, block: str) -> str:
-    """``text`` with the block between the markers replaced by ``block``."""
-    read_block(text)  # raises without markers
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    return f"{head}{BEGIN}\n{block}{END}{tail}"
+BLOCK = Block(BEGIN, END, "config tables")
+read_block = BLOCK.read
+replace_block = BLOCK.replace
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the block, check the guide's against it (``--check``) or rewrite it (``--write``)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="exit 1 if the guide's block is stale")
-    mode.add_argument("--write", action="store_true", help="rewrite the guide's block in place")
-    parser.add_argument(
-        "--doc", "--readme", dest="doc", type=Path, default=CONFIG_DOC, help="the guide's path"
-    )
-    args = parser.parse_args(argv)
-
-    block = render()
-    if not (args.check or args.write):
-        sys.stdout.write(block)
-        return 0
-    text = args.doc.read_text(encoding="utf-8")
-    current = read_block(text)
-    if args.write:
-        if current != block:
-            args.doc.write_text(replace_block(text, block), encoding="utf-8")
-            print(f"{args.doc}: config tables rewritten")
-        return 0
-    if current == block:
-        return 0
-    diff = difflib.unified_diff(
-        current.splitlines(keepends=True),
-        block.splitlines(keepends=True),
-        f"{args.doc} (config-tables block)",
-        "generated (python docs/config_tables.py --write)",
-    )
-    sys.stdout.writelines(diff)
-    return 1
+    description = __doc__.split("\n\n", 1)[0]
+    return BLOCK.main(argv, render, CONFIG_DOC, description, ("--doc", "--readme"))
 
 
 if __name__ == "__main__":

@@ -17,13 +17,14 @@ folder, and writes, between markers in docs/architecture.md:
 
 from __future__ import annotations
 
-import argparse
 import ast
-import difflib
 import sys
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling generated_block.py
+from generated_block import Block  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 GUIDE = REPO / "docs" / "architecture.md"
@@ -123,43 +124,13 @@ def render(repo: Path = REPO) -> str:
     return "\n".join(lines) + "\n"
 
 
-def read_block(text: str) -> str:
-    """The document's current block (between the markers, markers excluded)."""
-    start, end = text.find(BEGIN), text.find(END)
-    if start < 0 or end < start:
-        raise ValueError(f"the document has no {BEGIN} ... {END} block")
-    return text[start + len(BEGIN) :].split(END, 1)[0].removeprefix("\n")
+BLOCK = Block(BEGIN, END, "module graph")
+read_block = BLOCK.read
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the block, check the guide's against it (``--check``) or rewrite it (``--write``)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="exit 1 if the guide's block is stale")
-    mode.add_argument("--write", action="store_true", help="rewrite the guide's block in place")
-    parser.add_argument("--doc", type=Path, default=GUIDE, help="the guide's path")
-    args = parser.parse_args(argv)
-    block = render()
-    if not (args.check or args.write):
-        sys.stdout.write(block)
-        return 0
-    text = args.doc.read_text(encoding="utf-8")
-    current = read_block(text)
-    if args.write:
-        head, rest = text.split(BEGIN, 1)
-        args.doc.write_text(f"{head}{BEGIN}\n{block}{END}{rest.split(END, 1)[1]}", encoding="utf-8")
-        print(f"{args.doc}: module graph rewritten")
-        return 0
-    if current == block:
-        return 0
-    diff = difflib.unified_diff(
-        current.splitlines(keepends=True),
-        block.splitlines(keepends=True),
-        f"{args.doc} (module-graph block)",
-        "generated",
-    )
-    sys.stdout.writelines(diff)
-    return 1
+    return BLOCK.main(argv, render, GUIDE, __doc__.split("\n\n", 1)[0])
 
 
 if __name__ == "__main__":

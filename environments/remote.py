@@ -45,6 +45,7 @@ from flowrl.environments.types import (
     step_fields,
     to_wire,
 )
+from flowrl.infra.settings import RAY_NAMESPACE
 
 EnvMode = Literal["local", "ray", "http"]
 
@@ -217,7 +218,10 @@ def env_pool(pool_name: str, size: int) -> list[Any]:
     actor_cls = ray.remote(num_cpus=0, max_concurrency=ENV_ACTOR_THREADS)(EnvActor)
     return [
         actor_cls.options(
-            name=f"{pool_name}-{i}", namespace="flowrl", get_if_exists=True, lifetime="detached"
+            name=f"{pool_name}-{i}",
+            namespace=RAY_NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
         ).remote()
         for i in range(size)
     ]
@@ -230,7 +234,7 @@ def kill_env_actor(actor: Any, name: str, wait_s: float = 30.0) -> None:
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         try:
-            if ray.get_actor(name, namespace="flowrl")._actor_id != actor._actor_id:
+            if ray.get_actor(name, namespace=RAY_NAMESPACE)._actor_id != actor._actor_id:
                 return  # already replaced
         except ValueError:
             return  # gone: the name is free
@@ -240,7 +244,7 @@ def kill_env_actor(actor: Any, name: str, wait_s: float = 30.0) -> None:
 def stop_env_pool(pool_name: str, size: int) -> None:
     for i in range(size):
         try:
-            ray.kill(ray.get_actor(f"{pool_name}-{i}", namespace="flowrl"))
+            ray.kill(ray.get_actor(f"{pool_name}-{i}", namespace=RAY_NAMESPACE))
         except ValueError:
             pass  # never started or already gone
 

@@ -65,6 +65,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, Field
 
+from flowrl.environments.loaded import EnvironmentLoadError
 from flowrl.environments.plugin import first_user_message
 from flowrl.environments.registry import env_builder, installed_names, load
 from flowrl.environments.timeouts import DEFAULT_STEP_TIMEOUT_S, EnvTimeoutError, call_with_timeout
@@ -400,7 +401,11 @@ def prepare(args: argparse.Namespace) -> tuple[FastAPI, str]:
         episode_ttl_s=args.episode_ttl,
         step_timeout_s=args.step_timeout,
     )
-    return create_app(serves=args.env, keys=keys, limits=limits), f"http://{args.host}:{args.port}"
+    try:
+        app = create_app(serves=args.env, keys=keys, limits=limits)
+    except EnvironmentLoadError as err:  # a name it may not serve stops it at start
+        raise SystemExit(str(err)) from None
+    return app, f"http://{args.host}:{args.port}"
 
 
 def command_parser(prog: str = "flowrl serve environments") -> argparse.ArgumentParser:

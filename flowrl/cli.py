@@ -83,51 +83,6 @@ def _add_serve_commands(sub) -> None:
         what.add_parser(name, help=text, add_help=False)
 
 
-def _tinker_serve_parser() -> argparse.ArgumentParser:
-    """``flowrl serve tinker``'s flags."""
-    api = argparse.ArgumentParser(
-        prog="flowrl serve tinker",
-        description="The Tinker API (docs/tinker.md). Keys (namespace:tml-key) from "
-        "--keys-file or FLOWRL_TINKER_KEYS; base models from FLOWRL_TINKER_MODELS.",
-    )
-    api.add_argument("--host", default="127.0.0.1")
-    api.add_argument("--port", type=int, default=8790)
-    api.add_argument("--keys-file", help="Lines namespace:tml-key (or FLOWRL_TINKER_KEYS).")
-    api.add_argument(
-        "--insecure-loopback",
-        action="store_true",
-        help="Serve without keys (every caller one owner); loopback addresses only.",
-    )
-    api.add_argument(
-        "--placement",
-        choices=["local", "sessions", "shared"],
-        default="local",
-        help="local: models in this process; sessions: each training model a Prefect flow run "
-        "of the tinker-session deployment, its weights in a Ray actor (needs the stack's "
-        "Prefect and Ray; `flowrl stack up` starts the service so); shared: each training "
-        "model an adapter on its base model's shared worker, the one rl-train jobs with "
-        "resources.placement shared use (needs Prefect and Ray).",
-    )
-    api.add_argument(
-        "--session-ttl",
-        type=float,
-        default=120.0,
-        help="Seconds without a heartbeat (the SDK sends one every 10 s) before a session ends: "
-        "its models are unloaded, their slots freed, its saved states kept.",
-    )
-    api.add_argument("--max-body-bytes", type=int, default=64 * 2**20, help="Largest request.")
-    api.add_argument(
-        "--adapter-slots",
-        type=int,
-        default=None,
-        metavar="N",
-        help="local placement: LoRA adapters resident on one base model at once (default: no "
-        "limit); beyond it the least recently used model is parked and restored exactly.",
-    )
-    api.set_defaults(command="serve")
-    return api
-
-
 def _add_tinker_commands(sub) -> None:
     tinker = sub.add_parser("tinker", help="Base models of the Tinker API, for thin clients.")
     tsub = tinker.add_subparsers(dest="action", required=True)
@@ -297,7 +252,7 @@ def _serve(name: str, argv: list[str]) -> int:
 
             serve_environments(argv)
         else:
-            return _tinker(_tinker_serve_parser().parse_args(argv))
+            _serve_tinker(argv)
     except SystemExit as err:
         if err.code is None or isinstance(err.code, int):
             return err.code or 0
@@ -327,37 +282,41 @@ def _eval(config, verbose: bool) -> int:
     return 0
 
 
+def _serve_tinker(argv: list[str]) -> None:
+    """``flowrl serve tinker``: the keys checked before anything starts, then the placement the
+    flags ask for, then the service until interrupted."""
+    from flowrl.backends.tinker import server
+    from flowrl.infra.settings import get_settings
+
+    args = server.command_parser().parse_args(argv)
+    keys = server.check_keys(args)
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    get_settings().apply_to_environment()
+    if args.placement == "sessions":
+        from flowrl.backends.tinker.placement import SessionPlacement
+        from flowrl.flows.tinker_session import DeploymentRuns
+
+        placement = SessionPlacement(DeploymentRuns())
+    elif args.placement == "shared":
+        from flowrl.backends.tinker.placement import SharedWorkerPlacement
+
+        placement = SharedWorkerPlacement()
+    else:
+        from flowrl.backends.tinker.placement import LocalPlacement
+
+        placement = LocalPlacement(adapter_slots=args.adapter_slots)
+    print(f"Tinker API on http://{args.host}:{args.port} ({args.placement})", flush=True)
+    server.run(args, keys, placement)
+
+
 def _tinker(args) -> int:
-    from flowrl.backends.tinker_service import check_keys, resolve_base_model, serve
+    from flowrl.backends.tinker.checkpoints import resolve_base_model
     from flowrl.infra.settings import get_settings
 
     settings = get_settings()
-    if args.command == "serve":
-        try:
-            check_keys(args)  # before anything starts
-        except SystemExit as err:
-            print(f"flowrl: {err}", file=sys.stderr)
-            return 2
-        os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
-        settings.apply_to_environment()
-        if args.placement == "sessions":
-            from flowrl.backends.tinker_actor import SessionPlacement
-
-            placement = SessionPlacement()
-        elif args.placement == "shared":
-            from flowrl.backends.tinker_actor import SharedWorkerPlacement
-
-            placement = SharedWorkerPlacement()
-        else:
-            from flowrl.backends.tinker_service import LocalPlacement
-
-            placement = LocalPlacement(adapter_slots=args.adapter_slots)
-        print(f"Tinker API on http://{args.host}:{args.port} ({args.placement})", flush=True)
-        serve(args, placement)
-        return 0
     catalogue = settings.tinker_models
     if args.action == "register":
-        from flowrl.backends.tinker_service import ServiceError
+        from flowrl.infra.serving import ServiceError
         from flowrl.tasks.tinker import register_checkpoint
 
         settings.apply_to_environment()

@@ -41,7 +41,7 @@ from flowrl.infra import tracking
 from flowrl.infra.niceness import RAY_WORKER_NICENESS, yield_cpu_to_workers
 from flowrl.infra.redact import redact
 from flowrl.infra.scheduler import adapter_slots, gpu_slots
-from flowrl.infra.settings import get_settings
+from flowrl.infra.settings import RAY_NAMESPACE, get_settings
 from flowrl.infra.storage import Storage
 from flowrl.tasks.schemas import JobConfig
 from flowrl.tasks.types import JobContext
@@ -105,7 +105,7 @@ def connect_ray() -> bool:
         return False
     s = get_settings()
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
-    init: dict[str, Any] = {"namespace": "flowrl", "log_to_driver": False, "runtime_env": env}
+    init: dict[str, Any] = {"namespace": RAY_NAMESPACE, "log_to_driver": False, "runtime_env": env}
     if s.ray_address is not None:
         with _keep_sigterm_handler():
             ray.init(address=s.ray_address, **init)

@@ -1,16 +1,17 @@
 """Tinker API sessions as flowrl jobs: each training model a flow run of ``tinker-session``.
 
-The Tinker service (``backends.tinker_service``) with ``SessionPlacement`` submits one run of
-the ``tinker-session`` deployment per training model. The run is admitted like any job (its work
-queue, then ``resources.gpus`` slots of the scheduler's ``gpu`` limit, held through ``JobRun``),
-starts the Ray actor that holds the weights (``TinkerActor``, named ``tinker-<model>`` in
-Ray's ``flowrl`` namespace, where the service finds it), and supervises it: every few seconds it
-takes the actor's new metrics (loss per ``forward_backward``, tokens, learning rate and gradient
-norm per ``optim_step``) to the run's MLflow run and log. When the service unloads the model
-(the client finished its session, unloaded the model, or stopped heartbeating past the TTL), the
-actor says so, the run ends COMPLETED and its GPU slots are given back. A killed run takes its
-actor with it: the service's next call to that model fails, and its saved states stay.
-"""
+The Tinker service (``backends.tinker``) with ``SessionPlacement`` submits one run of the
+``tinker-session`` deployment per training model, through ``DeploymentRuns``: the flow layer
+names the deployment, the backend only calls what it is given. The run is admitted like any job
+(its work queue, then ``resources.gpus`` slots of the scheduler's ``gpu`` limit, held through
+``JobRun``), starts the Ray actor that holds the weights (``TinkerActor``, named
+``tinker-<model>`` in Ray's ``flowrl`` namespace, where the service finds it), and supervises
+it: every few seconds it takes the actor's new metrics (loss per ``forward_backward``, tokens,
+learning rate and gradient norm per ``optim_step``) to the run's MLflow run and log. When the
+service unloads the model (the client finished its session, unloaded the model, or stopped
+heartbeating past the TTL), the actor says so, the run ends COMPLETED and its GPU slots are
+given back. A killed run takes its actor with it: the service's next call to that model fails,
+and its saved states stay."""
 
 from __future__ import annotations
 
@@ -21,12 +22,32 @@ from dataclasses import dataclass
 import ray
 from prefect import flow
 
-from flowrl.backends.tinker_actor import RAY_NAMESPACE, TinkerActor, actor_name
+from flowrl.backends.tinker.actor import TinkerActor, actor_name
 from flowrl.flows.lifecycle import JobRun, connect_ray
-from flowrl.infra.settings import worker_environment
+from flowrl.infra.settings import RAY_NAMESPACE, worker_environment
 from flowrl.tasks.schemas import TinkerSessionConfig
 
 POLL_S = 2.0
+DEPLOYMENT = "tinker-session"
+
+
+class DeploymentRuns:
+    """A ``SessionPlacement``'s runs: runs of this flow's deployment (``DEPLOYMENT``) on the
+    Prefect API of the environment, on ``queue`` (default: the deployment's own)."""
+
+    def __init__(self, queue: str | None = None, deployment: str = DEPLOYMENT) -> None:
+        from flowrl.infra.client import JobClient
+
+        self.jobs = JobClient()
+        self.queue = queue
+        self.deployment = deployment
+
+    def submit(self, config: dict) -> str:
+        return self.jobs.submit(self.deployment, {"config": config}, queue=self.queue)
+
+    def state(self, run_id: str) -> tuple[str, str]:
+        status = self.jobs.status(run_id)
+        return status.state, status.message or ""
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Loopback servers run as child processes and managed by PID (tests now, a local stack later).
+"""Loopback servers run as child processes and managed by PID, for the local stack and tests.
 
 `MotoServer` runs moto's S3-compatible HTTP endpoint. moto keeps all state in memory, so
 `stop()` + `start()` loses every object; `start()` re-creates the buckets made through
@@ -170,18 +170,3 @@ class MotoServer:
         traceback: TracebackType | None,
     ) -> None:
         self.stop()
-
-
-def body_size_refusal(
-    method: str, content_length: str | None, max_bytes: int
-) -> tuple[int, str] | None:
-    """Why an HTTP service refuses a request's body before reading it, as (status, message):
-    a POST/PUT/PATCH without a Content-Length (411) or over ``max_bytes`` (413); None when
-    it is acceptable."""
-    if method not in ("POST", "PUT", "PATCH"):
-        return None
-    if content_length is None:
-        return 411, "a request body needs a Content-Length"
-    if not content_length.isdigit() or int(content_length) > max_bytes:
-        return 413, f"request body over {max_bytes} bytes"
-    return None

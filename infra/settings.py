@@ -14,6 +14,9 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+RAY_NAMESPACE = "flowrl"
+"""The Ray namespace of every named actor flowrl starts (workers, environment pools, Tinker
+models), where its processes find them by name."""
 NAMESPACE_PATTERN = r"^[a-z0-9][a-z0-9-]{0,31}$"
 """A namespace: lowercase letters, digits and dashes (it names folders and model prefixes)."""
 

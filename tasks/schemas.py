@@ -61,7 +61,7 @@ def _no_credentials(uri: str) -> str:
     if redact_text(uri) != uri:
         raise ValueError(
             "a URL holds credentials (user:password@): configs are recorded, so give them to "
-            "the processes instead (AWS_* variables for s3://, FLOWRL_ENV_SERVICE_TOKEN for "
+            "the processes instead (AWS_* variables for s3://, FLOWRL_ENV_SERVICE_KEY for "
             "the environment service)"
         )
     return uri
@@ -129,7 +129,7 @@ class EnvSection(_Section, title="Environment"):
     mode: Literal["local", "ray", "http"] = Field(
         default="local",
         description="Where episodes run: in the rollout task, in a pool of Ray actors, or "
-        "behind the HTTP environment service (python -m flowrl.environments.service).",
+        "behind the HTTP environment service (flowrl serve environments).",
     )
     service_url: NoCredentials | None = Field(
         default=None,

@@ -161,7 +161,7 @@ class TinkerServer:
 
         import uvicorn
 
-        from flowrl.backends.tinker_service import create_app
+        from flowrl.backends.tinker.routes import create_app
 
         self.service = service
         self.port = free_port()

@@ -157,6 +157,14 @@ def test_the_wheel_installs_one_top_level_name(wheel: Path):
     assert any(n.startswith("flowrl/infra/k8s/") for n in names)
     shipped = {p.name for p in (REPO / "configs").glob("*.yaml")}
     assert {n.removeprefix("flowrl/configs/") for n in names if n.endswith(".yaml")} >= shipped
+    # every module of every folder ships, subpackages too (a new one must be listed in
+    # pyproject.toml's packages)
+    sources = {
+        f"flowrl/{path.relative_to(REPO).as_posix()}"
+        for package in PACKAGES
+        for path in (REPO / package).rglob("*.py")
+    }
+    assert not sources - set(names), sorted(sources - set(names))
 
 
 @pytest.fixture(scope="module")

@@ -242,7 +242,9 @@ def test_the_service_serves_a_user_class_only_when_started_with_it(user_folder):
         [
             sys.executable,
             "-m",
-            "flowrl.environments.service",
+            "flowrl",
+            "serve",
+            "environments",
             "--env",
             "nope:Env",
             "--insecure-loopback",

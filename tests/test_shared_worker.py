@@ -21,7 +21,6 @@ import ray
 import torch
 
 from flowrl.backends.actors import (
-    NAMESPACE,
     SharedPlacement,
     sampler,
     shared_worker_name,
@@ -31,6 +30,7 @@ from flowrl.backends.actors import (
     trainer,
 )
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec
+from flowrl.infra.settings import RAY_NAMESPACE as NAMESPACE
 
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
 DATA = [
@@ -257,8 +257,9 @@ def test_a_tinker_model_is_a_tenant_of_the_worker_jobs_use(
     from tinker import types
 
     from flowrl.backends.model_folder import load_tokenizer
-    from flowrl.backends.tinker_actor import SharedWorkerPlacement
-    from flowrl.backends.tinker_service import TinkerService, resolve_base_model
+    from flowrl.backends.tinker.checkpoints import resolve_base_model
+    from flowrl.backends.tinker.placement import SharedWorkerPlacement
+    from flowrl.backends.tinker.service import TinkerService
 
     key = "tml-shared-" + "s" * 24
     cache = str(tmp_path / "model-cache")

@@ -21,8 +21,9 @@ import tinker
 from services import TinkerServer
 from tinker import types
 
-from flowrl.backends.tinker_service import Limits, LocalPlacement, TinkerService
-from flowrl.backends.tinker_service import resolve_base_model as base_folder
+from flowrl.backends.tinker.checkpoints import resolve_base_model as base_folder
+from flowrl.backends.tinker.placement import LocalPlacement
+from flowrl.backends.tinker.service import Limits, TinkerService
 from flowrl.infra.servers import free_port
 
 ALICE = "tml-alice-" + "a" * 24
@@ -462,7 +463,7 @@ def test_saved_states_load_after_a_killed_service(home: Path, tokenizer, tmp_pat
 def test_the_service_starts_only_with_keys_or_on_loopback(tmp_path: Path, capsys) -> None:
     """Without keys ``flowrl serve tinker`` refuses to start, and ``--insecure-loopback`` serves
     loopback addresses only; keys come from a file (or FLOWRL_TINKER_KEYS) as namespace:key."""
-    from flowrl.backends.tinker_service import read_keys
+    from flowrl.backends.tinker.server import read_keys
     from flowrl.cli import main
 
     assert main(["serve", "tinker"]) == 2

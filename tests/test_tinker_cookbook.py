@@ -21,7 +21,8 @@ import pytest
 from families import FAMILIES, build_family
 from services import TinkerServer
 
-from flowrl.backends.tinker_service import LocalPlacement, TinkerService
+from flowrl.backends.tinker.placement import LocalPlacement
+from flowrl.backends.tinker.service import TinkerService
 
 REPO = Path(__file__).resolve().parent.parent
 CLIENT_VENV = Path(os.environ.get("FLOWRL_TEST_CLIENT_VENV", REPO / ".venv-client"))

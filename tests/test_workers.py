@@ -295,7 +295,8 @@ def test_ray_actors_sample_update_sync_restart_and_stop(
     trains exactly as a worker started fresh with that spec."""
     import ray
 
-    from flowrl.backends.actors import NAMESPACE, restart_policy
+    from flowrl.backends.actors import restart_policy
+    from flowrl.infra.settings import RAY_NAMESPACE as NAMESPACE
 
     spec = WorkerSpec(model_uri=model_dir, cache_dir=str(tmp_path / "cache"))
     ref = start_policy("test-workers-ray", spec, local=False, trainer_threads=2)
@@ -344,7 +345,8 @@ def test_a_colocated_policy_is_one_process_that_samples_and_trains_as_two(
     threads; it samples, trains and syncs exactly as separate workers do, and restarts."""
     import ray
 
-    from flowrl.backends.actors import NAMESPACE, restart_policy
+    from flowrl.backends.actors import restart_policy
+    from flowrl.infra.settings import RAY_NAMESPACE as NAMESPACE
 
     spec = WorkerSpec(model_uri=model_dir, cache_dir=str(tmp_path / "cache"), lora=LORA)
     ref = start_policy("test-colocated", spec, local=False, trainer_threads=2, colocate=True)

@@ -47,7 +47,7 @@ from safetensors.torch import save as save_safetensors
 
 from flowrl.backends.algorithms import token_logprobs
 from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
-from flowrl.backends.tinker_types import (
+from flowrl.backends.tinker.types import (
     DEFAULT_CLIP,
     Datum,
     ForwardOutput,

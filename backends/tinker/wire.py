@@ -14,7 +14,7 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
-from flowrl.backends.tinker_types import Datum, ForwardOutput, SampleOutput, TinkerInputError
+from flowrl.backends.tinker.types import Datum, ForwardOutput, SampleOutput, TinkerInputError
 
 _NUMPY = {pb.DTYPE_FLOAT32: np.dtype(np.float32), pb.DTYPE_INT64: np.dtype(np.int64)}
 MAX_DECOMPRESSED_BYTES = 256 * 1024 * 1024

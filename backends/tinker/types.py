@@ -3,6 +3,7 @@ loss functions served with the inputs each reads, and the checks of a request's 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -165,3 +166,116 @@ def check_batch(
         check_tokens(
             datum.inputs["target_tokens"].tolist(), vocab_size, f"datum {i}: target_tokens"
         )
+
+
+# ----------------------------------------------------------- the checks of a request's settings
+# Each takes the SDK's request object (attributes as the SDK names them) and raises
+# ``TinkerInputError`` (a 400) naming what is wrong.
+
+MAX_LORA_RANK = 256
+
+
+def training_lora(lora_config: Any, optimizer_config: Any) -> tuple[LoraSettings, int | None]:
+    """A ``create_model`` request's LoRA (its settings and seed): LoRA models with AdamW only."""
+    if lora_config is None:
+        raise TinkerInputError("only LoRA training models are served here (lora_config)")
+    rank = lora_config.rank
+    if not 1 <= rank <= MAX_LORA_RANK:
+        raise TinkerInputError(f"LoRA rank must be 1..{MAX_LORA_RANK}, got {rank}")
+    optimizer = getattr(optimizer_config, "type", "adamw")
+    if optimizer != "adamw":
+        raise TinkerInputError(f"optimizer {optimizer!r} is not supported (adamw)")
+    c = lora_config
+    return tinker_lora(c.rank, c.train_mlp, c.train_attn, c.train_unembed), c.seed
+
+
+def adam_step(params: Any) -> dict[str, Any]:
+    """An ``optim_step`` request's Adam parameters (the SDK's ``AdamParams``) as keyword
+    arguments of the model's step."""
+    for name in ("learning_rate", "eps", "weight_decay", "grad_clip_norm"):
+        if not 0 <= getattr(params, name) < float("inf"):
+            raise TinkerInputError(f"adam_params.{name} must be a finite number >= 0")
+    if not (0 <= params.beta1 < 1 and 0 <= params.beta2 < 1):
+        raise TinkerInputError("adam_params.beta1 and beta2 must be in [0, 1)")
+    return params.model_dump()
+
+
+def sample_params(params: Any) -> SampleParams:
+    """A sampling request's parameters, checked (what depends on the model: ``check_fits``)."""
+    max_tokens = 64 if params.max_tokens is None else params.max_tokens
+    if not 1 <= max_tokens <= 2**20:
+        raise TinkerInputError(f"max_tokens must be >= 1, got {max_tokens}")
+    temperature, top_p = float(params.temperature), float(params.top_p)
+    if not (math.isfinite(temperature) and temperature >= 0 and 0 < top_p <= 1):
+        raise TinkerInputError("temperature must be a finite number >= 0 and top_p in (0, 1]")
+    if params.seed is not None and not 0 <= params.seed < 2**63:
+        raise TinkerInputError(f"seed must be in [0, 2**63), got {params.seed}")
+    stop = params.stop
+    tokens: tuple[int, ...] = ()
+    strings: tuple[str, ...] = ()
+    if isinstance(stop, str):
+        strings = (stop,)
+    elif stop:
+        items = list(stop)
+        if all(isinstance(s, str) for s in items):
+            strings = tuple(items)
+        elif all(isinstance(s, int) for s in items):
+            tokens = tuple(items)
+        else:
+            raise TinkerInputError("stop must be token ids or strings, not both")
+    return SampleParams(
+        max_tokens=int(max_tokens),
+        temperature=temperature,
+        top_k=int(params.top_k),
+        top_p=top_p,
+        stop_tokens=tokens,
+        stop_strings=strings,
+        seed=params.seed,
+    )
+
+
+def check_fits(prompt: Sequence[int], params: SampleParams, info: Mapping[str, int]) -> None:
+    """The prompt and stop tokens are in the model's vocabulary, and prompt + max_tokens fits
+    its context."""
+    check_tokens(prompt, info["vocab_size"], "prompt")
+    check_tokens(params.stop_tokens, info["vocab_size"], "stop")
+    context = info["context_length"]
+    if context and len(prompt) + params.max_tokens > context:
+        raise TinkerInputError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+            f"model's context length {context}"
+        )
+
+
+def prompt_tokens(prompt: Any) -> list[int]:
+    """A ``ModelInput``'s tokens: encoded-text chunks only."""
+    tokens: list[int] = []
+    for chunk in prompt.chunks:
+        if getattr(chunk, "type", None) != "encoded_text":
+            raise TinkerInputError(
+                f"prompt chunk {getattr(chunk, 'type', '?')!r} is not supported here"
+            )
+        tokens.extend(int(t) for t in chunk.tokens)
+    return tokens
+
+
+UNSUPPORTED_SAMPLE_OPTIONS = (
+    "topk_prompt_logprobs",
+    "topk_sample_logprobs",
+    "target_prompt_logprobs",
+    "prompt_alt_tokens_k",
+    "prompt_logprobs_last_n",
+)
+
+
+def check_sample_request(req: Any, max_samples: int) -> list[int]:
+    """An ``asample`` request's options this server serves; its prompt tokens."""
+    unsupported = [name for name in UNSUPPORTED_SAMPLE_OPTIONS if getattr(req, name, None)]
+    if unsupported:
+        raise TinkerInputError(f"not supported here: {', '.join(unsupported)}")
+    if not 1 <= req.num_samples <= max_samples:
+        raise TinkerInputError(f"num_samples must be 1..{max_samples}, got {req.num_samples}")
+    prompt = prompt_tokens(req.prompt)
+    if not prompt:
+        raise TinkerInputError("the prompt is empty")
+    return prompt

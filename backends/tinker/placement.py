@@ -1,13 +1,14 @@
-"""Where a Tinker session's model lives when sessions are flowrl jobs: the Ray actor that holds
-it (``TinkerActor``, started by the ``tinker-session`` flow run) and the service's side
-(``SessionPlacement``: submit the run, find its actor by name; ``RayHandle``: call it). Or,
-``SharedWorkerPlacement``: each model a tenant of its base model's shared worker
-(``backends.shared_worker``), next to ``rl-train`` jobs' adapters.
+"""Where a Tinker training model lives: a ``Placement`` starts it from a spec and gives the
+service a ``ModelHandle`` to call its verbs on.
 
-The actor is named ``tinker-<model>`` in Ray's ``flowrl`` namespace. One call at a time runs on
-the model, while ``poll`` (the flow run's supervision) waits for the metrics it records (loss per
-``forward_backward``, tokens, learning rate and gradient norm per ``optim_step``) or for
-``close`` (the service unloads the model): then the run ends and its GPU slots are freed.
+- ``LocalPlacement``: in the service's process (development, tests, the service's own
+  samplers); every model of one base model a LoRA tenant of one ``SharedBase``.
+- ``SessionPlacement``: each training model a flowrl job, a run of the ``tinker-session`` flow
+  that holds the model in a Ray actor (``backends.tinker.actor``), admitted by the scheduler.
+  Which runs it submits and how it reads their state are the flow layer's (``SessionRuns``,
+  given by ``flows.tinker_session``): a backend never names a deployment.
+- ``SharedWorkerPlacement``: each model a tenant of its base model's shared worker
+  (``backends.shared_worker``), next to ``rl-train`` jobs' adapters.
 """
 
 from __future__ import annotations
@@ -15,75 +16,77 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 
-from flowrl.backends.types import LoraSettings
-from flowrl.infra.settings import get_settings
+from flowrl.backends.tinker.actor import actor_name
+from flowrl.backends.tinker.checkpoints import resolve_base_model
+from flowrl.infra.settings import RAY_NAMESPACE, get_settings
 
-ACTOR_PREFIX = "tinker-"
-RAY_NAMESPACE = "flowrl"
 START_TIMEOUT_S = 900.0
 
 
-def actor_name(model_id: str) -> str:
-    return ACTOR_PREFIX + model_id.replace(":", "-")
+class ModelHandle(Protocol):
+    """Where one training model's ``TinkerModel`` lives; ``call`` runs one of its methods."""
+
+    info: dict[str, Any]
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any: ...
+
+    def close(self) -> None: ...
 
 
-@ray.remote(max_concurrency=4)
-class TinkerActor:
-    """A ``TinkerModel`` in a Ray worker: one call at a time on the model, while ``poll``
-    (the flow run's) waits for metrics or the end."""
+class Placement(Protocol):
+    def start(self, spec: dict[str, Any]) -> ModelHandle:
+        """A new model from ``spec`` (model_id, namespace, base_model, base_uri, lora: its
+        ``LoraSettings``, seed: the model's or None)."""
+        ...
 
-    def __init__(self, base_uri: str, lora: LoraSettings, seed: int | None, cache_dir: str):
-        from flowrl.backends.tinker_engine import TinkerModel
-        from flowrl.backends.tinker_service import resolve_base_model
 
-        self.model = TinkerModel(resolve_base_model(base_uri, cache_dir), lora, seed)
-        self.lock = threading.Lock()
-        self.changed = threading.Condition()
-        self.metrics: list[dict[str, float]] = []
-        self.closed = False
-        self.step = 0
+class LocalHandle:
+    def __init__(self, model: Any):
+        self.model = model
+        self.info = {"vocab_size": model.vocab_size, "context_length": model.context_length}
 
-    def info(self) -> dict[str, int]:
-        return {"vocab_size": self.model.vocab_size, "context_length": self.model.context_length}
-
-    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
-        with self.lock:
-            if self.closed:
-                raise RuntimeError("this model is unloaded")
-            out = getattr(self.model, method)(*args, **kwargs)
-            self._record(method, args, out)
-        return out
-
-    def _record(self, method: str, args: tuple, out: Any) -> None:
-        row: dict[str, float] = {}
-        if method == "forward_backward" and not args[3]:  # forward-only calls train nothing
-            row = {"train/loss_sum": out.metrics["loss:sum"]}
-            row["train/tokens"] = float(sum(len(d.tokens) for d in args[0]))
-            row["train/datums"] = float(len(args[0]))
-        elif method == "optim_step":
-            self.step += 1
-            row = {"optim/lr": out["learning_rate:mean"], "optim/grad_norm": out["grad_norm:mean"]}
-        if row:
-            with self.changed:
-                self.metrics.append({**row, "step": float(self.step)})
-                self.changed.notify_all()
-
-    def poll(self, timeout: float) -> tuple[bool, list[dict[str, float]]]:
-        """The metrics recorded since the last poll, and whether the model is unloaded."""
-        with self.changed:
-            if not self.metrics and not self.closed:
-                self.changed.wait(timeout)
-            rows, self.metrics = self.metrics, []
-            return self.closed, rows
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.model, method)(*args, **kwargs)
 
     def close(self) -> None:
-        with self.changed:
-            self.closed = True
-            self.changed.notify_all()
+        if self.model is not None:
+            self.model.close()  # its adapter leaves the shared base
+            self.model = None
+
+
+class LocalPlacement:
+    """Models in this process (development, tests, the service's own samplers). Every model of
+    one base model is a tenant of one ``SharedBase``: the base weights are loaded once, each
+    model holds only its LoRA adapter, AdamW state and RNG; with ``adapter_slots`` at most that
+    many adapters are resident, the least recently used parked and restored exactly."""
+
+    in_process = True
+
+    def __init__(self, cache_dir: str | None = None, adapter_slots: int | None = None):
+        self.cache_dir = cache_dir or get_settings().model_cache_dir
+        self.adapter_slots = adapter_slots
+        self.bases: dict[str, Any] = {}
+        self.lock = threading.Lock()
+
+    def base(self, uri: str) -> Any:
+        """The shared base of a catalogue URI (loaded on first use)."""
+        from flowrl.backends.tinker.engine import SharedBase
+
+        path = resolve_base_model(uri, self.cache_dir)
+        with self.lock:
+            if path not in self.bases:
+                self.bases[path] = SharedBase(path, slots=self.adapter_slots)
+            return self.bases[path]
+
+    def start(self, spec: dict[str, Any]) -> ModelHandle:
+        from flowrl.backends.tinker.engine import TinkerModel
+
+        base = self.base(spec["base_uri"])
+        return LocalHandle(TinkerModel(base, spec["lora"], spec["seed"], name=spec["model_id"]))
 
 
 class RayHandle:
@@ -104,18 +107,27 @@ class RayHandle:
             pass
 
 
-class SessionPlacement:
-    """Each training model a run of the ``tinker-session`` deployment (``resources.gpus`` =
-    ``gpus``, queue ``queue``); ``start`` waits until the run's actor answers."""
+class SessionRuns(Protocol):
+    """How a ``SessionPlacement`` starts a session's run and follows it (the flow layer's)."""
 
-    def __init__(self, gpus: int = 1, queue: str | None = None, deployment: str = "tinker-session"):
+    def submit(self, config: dict[str, Any]) -> str:
+        """Submit a run of the session flow with this ``TinkerSessionConfig``; its id."""
+        ...
+
+    def state(self, run_id: str) -> tuple[str, str]:
+        """The run's state name (``RUNNING``, ``FAILED``, …) and message."""
+        ...
+
+
+class SessionPlacement:
+    """Each training model a run of the session flow (``resources.gpus`` = ``gpus``), submitted
+    through ``runs``; ``start`` waits until the run's actor answers."""
+
+    def __init__(self, runs: SessionRuns, gpus: int = 1):
+        self.runs = runs
         self.gpus = gpus
-        self.queue = queue
-        self.deployment = deployment
 
     def start(self, spec: dict[str, Any]) -> RayHandle:
-        from flowrl.infra.client import JobClient
-
         _connect_ray()
         model_id = spec["model_id"]
         name = f"tinker-{model_id.split(':')[0]}-{model_id.rsplit(':', 1)[-1]}"
@@ -131,8 +143,7 @@ class SessionPlacement:
             "owner": spec["namespace"],
             "resources": {"gpus": self.gpus},
         }
-        jobs = JobClient()
-        run_id = jobs.submit(self.deployment, {"config": config}, queue=self.queue)
+        run_id = self.runs.submit(config)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             try:
@@ -140,11 +151,10 @@ class SessionPlacement:
                 return RayHandle(actor, run_id, ray.get(actor.info.remote()))
             except ValueError:  # not started yet
                 pass
-            status = jobs.status(run_id)
-            if status.state in ("FAILED", "CRASHED", "CANCELLED", "COMPLETED"):
+            state, message = self.runs.state(run_id)
+            if state in ("FAILED", "CRASHED", "CANCELLED", "COMPLETED"):
                 raise RuntimeError(
-                    f"session run {run_id} ended {status.state} before its model was ready: "
-                    f"{status.message or ''}"
+                    f"session run {run_id} ended {state} before its model was ready: {message}"
                 )
             time.sleep(0.5)
         raise TimeoutError(f"session run {run_id} did not start its model in {START_TIMEOUT_S} s")
@@ -180,7 +190,6 @@ class SharedWorkerPlacement:
             join_shared_worker,
             shared_worker_name,
         )
-        from flowrl.backends.tinker_service import resolve_base_model
         from flowrl.backends.types import WorkerSpec
         from flowrl.infra.scheduler import adapter_slots
 

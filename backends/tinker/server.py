@@ -1,0 +1,96 @@
+"""``flowrl serve tinker``: the Tinker API's flags, keys and process.
+
+    flowrl serve tinker [--host 127.0.0.1] [--port 8790] [--keys-file F | --insecure-loopback]
+
+Keys (``X-API-Key: tml-…``, the SDK's header) map to namespaces as for every flowrl service
+(``infra.serving``); they come from ``--keys-file`` (lines ``namespace:tml-key``) or
+``FLOWRL_TINKER_KEYS`` (``namespace:key,namespace:key``), never from a config, and a Tinker key
+starts with ``tml-`` as the SDK requires. Without keys the service starts only with
+``--insecure-loopback`` on a loopback address. Where models live (``--placement``) is chosen by
+the command line, which builds the placement (``placement.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from flowrl.backends.tinker.placement import Placement
+from flowrl.backends.tinker.routes import create_app
+from flowrl.backends.tinker.service import Limits, TinkerService
+from flowrl.infra.serving import (
+    add_serving_arguments,
+    check_exposure,
+    serve,
+    serving_limits,
+)
+from flowrl.infra.serving import (
+    read_keys as read_key_sources,
+)
+
+KEYS_VAR = "FLOWRL_TINKER_KEYS"
+KEY_PREFIX = "tml-"
+PORT = 8790
+
+
+def read_keys(path: str | None = None) -> dict[str, str]:
+    """API key → namespace, from ``path`` (lines ``namespace:tml-key``) and
+    ``FLOWRL_TINKER_KEYS``."""
+    return read_key_sources(path, [KEYS_VAR], key_prefix=KEY_PREFIX)
+
+
+def command_parser() -> argparse.ArgumentParser:
+    """``flowrl serve tinker``'s flags: the serving layer's, then the Tinker API's own."""
+    parser = argparse.ArgumentParser(
+        prog="flowrl serve tinker",
+        description="The Tinker API (docs/tinker.md). Keys (namespace:tml-key) from "
+        f"--keys-file or {KEYS_VAR}; base models from FLOWRL_TINKER_MODELS.",
+    )
+    add_serving_arguments(parser, PORT, KEYS_VAR, Limits.max_body_bytes)
+    parser.add_argument(
+        "--placement",
+        choices=["local", "sessions", "shared"],
+        default="local",
+        help="local: models in this process; sessions: each training model a Prefect flow run "
+        "of the tinker-session deployment, its weights in a Ray actor (needs the stack's "
+        "Prefect and Ray; `flowrl stack up` starts the service so); shared: each training "
+        "model an adapter on its base model's shared worker, the one rl-train jobs with "
+        "resources.placement shared use (needs Prefect and Ray).",
+    )
+    parser.add_argument(
+        "--session-ttl",
+        type=float,
+        default=Limits.session_ttl_s,
+        help="Seconds without a heartbeat (the SDK sends one every 10 s) before a session ends: "
+        "its models are unloaded, their slots freed, its saved states kept.",
+    )
+    parser.add_argument(
+        "--adapter-slots",
+        type=int,
+        default=None,
+        metavar="N",
+        help="local placement: LoRA adapters resident on one base model at once (default: no "
+        "limit); beyond it the least recently used model is parked and restored exactly.",
+    )
+    return parser
+
+
+def check_keys(args: argparse.Namespace) -> dict[str, str]:
+    """The keys to serve, or ``SystemExit`` naming why the service may not start."""
+    keys = read_keys(args.keys_file)
+    check_exposure(args.host, keys, args.insecure_loopback)
+    return keys
+
+
+def run(args: argparse.Namespace, keys: dict[str, str], placement: Placement) -> None:
+    """Serve until interrupted; the service's models are unloaded on the way out."""
+    shared = serving_limits(args)
+    limits = Limits(
+        max_body_bytes=shared.max_body_bytes,
+        max_requests_per_s=shared.max_requests_per_s,
+        session_ttl_s=args.session_ttl,
+    )
+    service = TinkerService(placement, keys=keys, limits=limits)
+    try:
+        serve(create_app(service), args.host, args.port, keep_alive_s=30)
+    finally:
+        service.close()
