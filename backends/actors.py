@@ -10,6 +10,7 @@ LoRA adapters on a shared base-model worker, ``backends.shared_worker``) and ``L
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import importlib
@@ -22,7 +23,7 @@ from typing import Any
 
 import ray
 
-from flowrl.backends.types import Precision, WorkerSpec
+from flowrl.backends.types import JobTenancy, Precision, Tenancy, WorkerSpec
 from flowrl.infra.settings import RAY_NAMESPACE, worker_environment
 
 # Workers started with local=True live here, keyed by their would-be actor name.
@@ -596,7 +597,7 @@ class SharedPolicy(PolicyRef):
             dtype=spec.dtype,
             torch_threads=max(s.torch_threads for s in specs.values()),
         )
-        worker, _ = join_shared_worker(base, placement, resources, "join", name, specs)
+        worker, _ = join_shared_worker(base, placement, resources, name, JobTenancy(specs))
         return cls(samplers=(worker,), trainer=worker, tenant=name)
 
     def _host(self) -> Any:
@@ -622,16 +623,32 @@ class SharedPolicy(PolicyRef):
             pass  # the worker is gone already: nothing to leave
 
 
+def admission(base: WorkerSpec, slots: int) -> contextlib.AbstractContextManager:
+    """A tenant's admission to the shared worker of ``base``'s model: one of its ``slots``
+    adapter slots (the Prefect limit ``adapter-slots-<worker>``), held while the context is,
+    waiting while all are taken. Jobs and Tinker models are admitted the same way; how many
+    admitted tenants stay in the worker's memory at once is its residency
+    (``SharedPlacement.resident``), a separate matter."""
+    from flowrl.infra.scheduler import adapter_slots
+
+    return adapter_slots(admission_limit(shared_worker_name(base)), slots)
+
+
+def admission_limit(worker: str) -> str:
+    """The Prefect concurrency limit whose slots admit tenants to the shared worker ``worker``."""
+    return f"adapter-slots-{worker}"
+
+
 def join_shared_worker(
     base: WorkerSpec,
     placement: SharedPlacement,
     resources: ActorResources,
-    method: str,
-    *args: Any,
-) -> tuple[str, Any]:
-    """Call the shared worker of ``base``'s model (its name: ``shared_worker_name``), starting
-    it if none runs, with ``method(*args)`` (a join: ``join``, ``tinker_join``); its name and
-    the answer."""
+    tenant: str,
+    tenancy: Tenancy,
+) -> tuple[str, dict[str, Any]]:
+    """Join ``tenant`` (a job's workers or a Tinker model: ``tenancy``) to the shared worker of
+    ``base``'s model (its name: ``shared_worker_name``), starting it if none runs; its name and
+    what the join answered (``SharedWorker.join``)."""
     worker = shared_worker_name(base)
     env = _worker_env(base.torch_threads)
     if placement.prefect_api_url:  # where the worker holds its GPU slots
@@ -660,7 +677,7 @@ def join_shared_worker(
             )
         )
         try:
-            return worker, ray.get(handle.do.remote(method, *args))
+            return worker, ray.get(handle.do.remote("join", tenant, tenancy))
         except ray.exceptions.RayActorError:
             if attempt == 2:  # it ended as we joined (idle): the next one starts anew
                 raise

@@ -17,7 +17,7 @@ job's own sampler would, bit for bit. If a batch together fails, each call in it
 a bad call fails only its tenant.
 
 The worker's base and adapters are a ``tinker.engine.SharedBase``: Tinker API training models
-(``tinker_join``; ``backends.tinker.placement.SharedWorkerPlacement``) are adapters on the same
+(``ModelTenancy``; ``backends.tinker.placement.SharedWorkerPlacement``) are adapters on the same
 base, next to the jobs', with the verbs and state of the Tinker API's own models.
 
 With ``resident`` set, at most that many tenants keep their tensors in memory: a call of a
@@ -46,15 +46,15 @@ from typing import Any
 
 import ray
 import torch
-from safetensors.torch import load_file, save_file
 
 from flowrl.agent_loop.types import SampleResult
+from flowrl.backends import parking
 from flowrl.backends.hf_workers import HFSampler, TorchTrainer, _device, lora_config
 from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
 from flowrl.backends.model_uri import resolve_model_uri
 from flowrl.backends.precision import forward_autocast
 from flowrl.backends.tinker.engine import SharedBase, TinkerModel
-from flowrl.backends.types import LoraSettings, WorkerSpec
+from flowrl.backends.types import JobTenancy, ModelTenancy, Tenancy, WorkerSpec
 
 
 @dataclass
@@ -73,8 +73,8 @@ class _Tenant:
 
 
 @dataclass
-class _TinkerTenant:
-    """A Tinker API training model on this worker's base (``tinker_join``)."""
+class _ModelTenant:
+    """A Tinker API training model on this worker's base (``ModelTenancy``)."""
 
     model: TinkerModel
     last_call: float = field(default_factory=time.monotonic)
@@ -127,7 +127,7 @@ class SharedWorker:
         # The base and its adapters, as the Tinker API's models hold theirs (tinker.engine).
         self.shared = SharedBase(self.path, self.device, loaded=(model, self.tokenizer))
         self.tenants: dict[str, _Tenant] = {}
-        self.tinker: dict[str, _TinkerTenant] = {}  # Tinker API models (``tinker_join``)
+        self.models: dict[str, _ModelTenant] = {}  # Tinker API models (``ModelTenancy``)
         self.events: list[tuple[str, str, float]] = []  # (tenant, joined|left|dropped, time)
         self.join_s: dict[str, float] = {}  # how long each tenant's join took
         self.idle_timeout_s = idle_timeout_s
@@ -149,10 +149,17 @@ class SharedWorker:
 
     # ------------------------------------------------------------------------ tenants
 
-    def join(self, tenant: str, specs: dict[str, WorkerSpec]) -> float:
-        """Add ``tenant`` with a sampler and a trainer built from ``specs`` (by role; LoRA on
-        this worker's base); the seconds it took. A tenant of that name joins again afresh."""
-        return self._work(self._join, tenant, specs, time.monotonic())
+    def join(self, tenant: str, tenancy: Tenancy) -> dict[str, Any]:
+        """Add ``tenant``: a job's sampler and trainer (``JobTenancy``) or a Tinker API
+        training model (``ModelTenancy``), LoRA on this worker's base; a tenant of that name
+        joins again afresh. The seconds it took (``join_s``), and for a model its vocabulary
+        size and context length."""
+        began = time.monotonic()
+        if isinstance(tenancy, ModelTenancy):
+            info = self._work(self._join_model, tenant, tenancy, began)
+        else:
+            info = {"join_s": self._work(self._join, tenant, tenancy.specs, began)}
+        return info
 
     def _join(self, tenant: str, specs: dict[str, WorkerSpec], began: float) -> float:
         for spec in specs.values():
@@ -178,12 +185,16 @@ class SharedWorker:
         return self.join_s[tenant]
 
     def leave(self, tenant: str) -> bool:
-        """Remove ``tenant``'s adapters and workers (idempotent); True if it was here."""
+        """Remove ``tenant``, a job's or a model's (idempotent); True if it was here."""
         return self._work(self._drop, tenant, "left")
 
     def call_as(self, tenant: str, role: str, verb: str, *args: Any, **kwargs: Any) -> Any:
-        """``verb`` of ``tenant``'s ``role`` worker, with its adapter active and its RNG; text
-        sampling calls may run together with other tenants' (the module's docstring)."""
+        """``verb`` of ``tenant``'s ``role`` (a job's ``sampler`` or ``trainer``; a Tinker
+        model's ``model``), with its adapter active and its RNG; text sampling calls may run
+        together with other tenants' (the module's docstring)."""
+        model = self.models.get(tenant)
+        if model is not None or role == "model":
+            return self._call_model(tenant, model, role, verb, *args, **kwargs)
         if self.mix_batches and role == "sampler" and verb == "sample" and not kwargs:
             if len(args) in (3, 4):  # prompts, max_new_tokens, temperature[, seed]
                 return self._sample(_Sampling(tenant, *args))
@@ -291,49 +302,32 @@ class SharedWorker:
 
     # ------------------------------------------------------------- Tinker API models
 
-    def tinker_join(
-        self, model_id: str, lora: LoraSettings, seed: int | None = None
-    ) -> dict[str, int]:
-        """A Tinker API training model (``backends.tinker.engine.TinkerModel`` of ``lora`` and
-        ``seed``) on this worker's base: its adapter, AdamW and RNG next to the tenants'; the
-        model's vocabulary size and context length."""
-        return self._work(self._tinker_join, model_id, lora, seed, time.monotonic())
+    def _join_model(self, tenant: str, tenancy: ModelTenancy, began: float) -> dict[str, Any]:
+        self._drop(tenant, "left")
+        model = TinkerModel(self.shared, tenancy.lora, tenancy.seed, name=tenant)
+        self.models[tenant] = _ModelTenant(model)
+        self.events.append((tenant, "joined", time.time()))
+        self.join_s[tenant] = time.monotonic() - began
+        return {
+            "vocab_size": model.vocab_size,
+            "context_length": model.context_length,
+            "join_s": self.join_s[tenant],
+        }
 
-    def _tinker_join(
-        self, model_id: str, lora: LoraSettings, seed: int | None, began: float
-    ) -> dict[str, int]:
-        self._tinker_drop(model_id, "left")
-        model = TinkerModel(self.shared, lora, seed, name=model_id)
-        self.tinker[model_id] = _TinkerTenant(model)
-        self.events.append((model_id, "joined", time.time()))
-        self.join_s[model_id] = time.monotonic() - began
-        return {"vocab_size": model.vocab_size, "context_length": model.context_length}
-
-    def tinker_call(self, model_id: str, method: str, args: tuple, kwargs: dict) -> Any:
-        """``method`` of the Tinker model ``model_id`` (its adapter active while it runs)."""
-        t = self.tinker.get(model_id)
+    def _call_model(
+        self, tenant: str, t: _ModelTenant | None, role: str, verb: str, *args: Any, **kwargs: Any
+    ) -> Any:
         if t is None:
-            raise KeyError(f"{model_id!r} is not a model on this shared worker (unloaded)")
+            raise KeyError(f"{tenant!r} is not a model on this shared worker (unloaded)")
+        if role != "model":
+            raise ValueError(f"{tenant!r} is a Tinker model: its role is 'model', not {role!r}")
         t.last_call, t.calls = time.monotonic(), t.calls + 1
-        return self._work(self._tinker_call, t.model, method, *args, **kwargs)
+        return self._work(self._model_verb, t.model, verb, *args, **kwargs)
 
-    def _tinker_call(self, model: TinkerModel, method: str, *args: Any, **kwargs: Any) -> Any:
+    def _model_verb(self, model: TinkerModel, verb: str, *args: Any, **kwargs: Any) -> Any:
         self.model.eval()  # Tinker's verbs: no dropout
         torch.set_num_threads(self.spec.torch_threads)
-        return getattr(model, method)(*args, **kwargs)
-
-    def tinker_leave(self, model_id: str) -> bool:
-        """Unload the Tinker model ``model_id`` (idempotent); True if it was here."""
-        return self._work(self._tinker_drop, model_id, "left")
-
-    def _tinker_drop(self, model_id: str, why: str) -> bool:
-        t = self.tinker.pop(model_id, None)
-        if t is None:
-            return False
-        t.model.close()
-        self.events.append((model_id, why, time.time()))
-        self._idle_since = time.monotonic()
-        return True
+        return getattr(model, verb)(*args, **kwargs)
 
     def sync(self, tenant: str) -> int:
         """``tenant``'s trainer weights into its sampler (a copy in this process)."""
@@ -345,8 +339,8 @@ class SharedWorker:
         )
 
     def restart(self, tenant: str, specs: dict[str, WorkerSpec]) -> bool:
-        """``tenant`` built again from ``specs`` (``join`` afresh); always True."""
-        self.join(tenant, specs)
+        """A job's ``tenant`` built again from ``specs`` (``join`` afresh); always True."""
+        self.join(tenant, JobTenancy(specs))
         return True
 
     def where(self) -> tuple[str, int]:
@@ -357,10 +351,10 @@ class SharedWorker:
         and leaves), each join's seconds, and how many calls each batch run together held."""
         with self._lock:
             tenants = {name: t.calls for name, t in self.tenants.items()}
-            tinker = {name: t.calls for name, t in self.tinker.items()}
+            models = {name: t.calls for name, t in self.models.items()}
         return {
             "tenants": tenants,
-            "tinker_models": tinker,
+            "tinker_models": models,
             "pid": os.getpid(),
             "base_loads": self.base_loads,
             "events": list(self.events),
@@ -404,18 +398,7 @@ class SharedWorker:
         if not t.parked:
             return
         self._make_room(t, keep)
-        params, optimizer = self._tensors(t), self._optimizer(t)
-        for key, value in load_file(t.parked).items():
-            kind, _, rest = key.partition(":")
-            if kind == "optim":  # "<param>/<state key>"; AdamW keeps its step on the CPU
-                param, _, state_key = rest.rpartition("/")
-                on = value if state_key == "step" else value.to(self.device)
-                optimizer.state[params[param]][state_key] = on
-            elif kind == "grad":
-                params[rest].grad = value.to(self.device)
-            else:
-                params[rest].data = value.to(self.device)
-        os.unlink(t.parked)
+        parking.unpark(self._tensors(t), self._optimizer(t), t.parked, self.device)
         t.parked = None
 
     def _make_room(self, t: _Tenant | None, keep: set[str] = frozenset()) -> None:
@@ -429,24 +412,13 @@ class SharedWorker:
             self._park(u)
 
     def _park(self, t: _Tenant) -> None:
-        """``t``'s adapters, gradients and optimiser state to a file; its tensors emptied."""
-        out: dict[str, torch.Tensor] = {}
-        optimizer = self._optimizer(t)
-        for name, param in self._tensors(t).items():
-            out[f"data:{name}"] = param.data.to("cpu", copy=True)
-            param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-            if param.grad is not None:
-                out[f"grad:{name}"] = param.grad.to("cpu", copy=True)
-                param.grad = None
-            for key, value in optimizer.state.get(param, {}).items():
-                if isinstance(value, torch.Tensor):
-                    out[f"optim:{name}/{key}"] = value.to("cpu", copy=True)
-                    optimizer.state[param][key] = torch.empty(0, dtype=value.dtype)
+        """``t``'s adapters, gradients and optimiser state to a file (``backends.parking``);
+        its tensors emptied."""
         if self._park_dir is None:  # in the worker's model cache: room for the adapters
             os.makedirs(self.spec.cache_dir, exist_ok=True)
             self._park_dir = tempfile.mkdtemp(prefix="parked-", dir=self.spec.cache_dir)
         t.parked = os.path.join(self._park_dir, f"{_safe(next(iter(t.adapters.values())))}.st")
-        save_file(out, t.parked)
+        parking.park(self._tensors(t), self._optimizer(t), t.parked)
         self.parks += 1
 
     def _tensors(self, t: _Tenant) -> dict[str, torch.nn.Parameter]:
@@ -459,13 +431,18 @@ class SharedWorker:
         return t.workers["trainer"].optimizer
 
     def _drop(self, tenant: str, why: str) -> bool:
+        """Remove a tenant of either kind; True if it was here."""
+        model = self.models.pop(tenant, None)
         t = self.tenants.pop(tenant, None)
-        if t is None:
+        if t is None and model is None:
             return False
-        if t.parked:
-            os.unlink(t.parked)
-        for adapter in t.adapters.values():
-            self.model.delete_adapter(adapter)
+        if model is not None:
+            model.model.close()
+        if t is not None:
+            if t.parked:
+                os.unlink(t.parked)
+            for adapter in t.adapters.values():
+                self.model.delete_adapter(adapter)
         self.events.append((tenant, why, time.time()))
         self._idle_since = time.monotonic()
         return True
@@ -483,7 +460,7 @@ class SharedWorker:
 
     def _empty(self) -> bool:
         """No tenant and no Tinker model: idle since ``_idle_since``."""
-        return not self.tenants and not self.tinker
+        return not self.tenants and not self.models
 
     def _watch(self) -> None:
         """Drop stale tenants; end the worker once it has been idle ``idle_timeout_s``."""
@@ -494,12 +471,10 @@ class SharedWorker:
             time.sleep(min(1.0, self.idle_timeout_s / 4))
             with self._lock:
                 now = time.monotonic()
-                for name, t in list(self.tenants.items()):
+                every = [*self.tenants.items(), *self.models.items()]
+                for name, t in every:
                     if now - t.last_call > self.stale_after_s:
                         self._drop(name, "dropped")
-                for name, m in list(self.tinker.items()):
-                    if now - m.last_call > self.stale_after_s:
-                        self._tinker_drop(name, "dropped")
                 idle = self._empty() and now - self._idle_since > self.idle_timeout_s
             if idle:
                 handle.do.remote("exit_if_idle")

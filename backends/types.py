@@ -84,3 +84,26 @@ class WorkerSpec(BaseModel):
         description="Compute precision (auto = bfloat16 on CUDA, float32 on CPU); the trainer "
         "keeps float32 master weights (backends.precision).",
     )
+
+
+@dataclass(frozen=True)
+class JobTenancy:
+    """A job's tenancy of a shared base-model worker: its sampler and trainer as LoRA adapters
+    on the worker's base, built from ``specs`` (by role: ``sampler``, ``trainer``); called by
+    role."""
+
+    specs: dict[str, WorkerSpec]
+
+
+@dataclass(frozen=True)
+class ModelTenancy:
+    """A Tinker API training model's tenancy of a shared base-model worker: one LoRA adapter
+    with its AdamW and RNG on the worker's base (``backends.tinker.engine.TinkerModel``);
+    called with the role ``model``."""
+
+    lora: LoraSettings
+    seed: int | None = None
+
+
+Tenancy = JobTenancy | ModelTenancy
+"""What a tenant of a shared worker holds there (``SharedWorker.join``)."""

@@ -288,7 +288,7 @@ def _serve_tinker(argv: list[str]) -> None:
     from flowrl.backends.tinker import server
     from flowrl.infra.settings import get_settings
 
-    args = server.command_parser().parse_args(argv)
+    args = server.parse_args(argv)
     keys = server.check_keys(args)
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     get_settings().apply_to_environment()
@@ -304,7 +304,7 @@ def _serve_tinker(argv: list[str]) -> None:
     else:
         from flowrl.backends.tinker.placement import LocalPlacement
 
-        placement = LocalPlacement(adapter_slots=args.adapter_slots)
+        placement = LocalPlacement(resident_adapters=args.resident_adapters)
     print(f"Tinker API on http://{args.host}:{args.port} ({args.placement})", flush=True)
     server.run(args, keys, placement)
 

@@ -42,10 +42,7 @@ def batch_inference(config: InferenceJobConfig = InferenceJobConfig()) -> Infere
     with JobRun(config) as job:
         model_uri = pin_model_uri(config.model.source)  # an alias moving mid-job changes nothing
         job.say(f"model: {config.model.source} is {model_uri}")
-        if config.resources.placement == "shared":  # a LoRA version on its base's worker
-            policy = job.start_lora_version(model_uri)
-        else:
-            policy = job.start_policy(model_uri)
+        policy = job.start_model(model_uri)  # resources.placement: own workers, or shared
         with job.phase("inference", f"{config.num_prompts} prompts") as phase:
             out = infer.submit(config, job.ctx, model_uri, policy).result()
             phase.result = (

@@ -25,6 +25,8 @@ from flowrl.backends.actors import (
     SharedPlacement,
     SharedPolicy,
     WorkerPlan,
+    admission,
+    admission_limit,
     sampler,
     shared_worker_name,
     shared_worker_stats,
@@ -40,7 +42,7 @@ from flowrl.flows.run_page import Column, Phase, RunPage
 from flowrl.infra import tracking
 from flowrl.infra.niceness import RAY_WORKER_NICENESS, yield_cpu_to_workers
 from flowrl.infra.redact import redact
-from flowrl.infra.scheduler import adapter_slots, gpu_slots
+from flowrl.infra.scheduler import gpu_slots
 from flowrl.infra.settings import RAY_NAMESPACE, get_settings
 from flowrl.infra.storage import Storage
 from flowrl.tasks.schemas import JobConfig
@@ -189,6 +191,7 @@ class JobRun:
         self.run_id = ""
         self.done_steps = 0
         self._policies: list[PolicyRef] = []
+        self._admitted: set[str] = set()  # shared workers whose adapter slot the run holds
         self._exits = contextlib.ExitStack()
         # Metrics reach MLflow from one background thread, in order, off the step's path, a
         # few steps per write (one transaction each; SQLite's cost is per write, not per value).
@@ -205,7 +208,7 @@ class JobRun:
     def __enter__(self) -> JobRun:
         get_settings().apply_to_environment()
         with contextlib.ExitStack() as entering:
-            # A shared worker's tenant holds an adapter slot (``tenant_of``); the worker, its GPUs.
+            # A shared worker's tenant holds an adapter slot (``_admit``); the worker, its GPUs.
             shared = self.config.resources.placement == "shared"
             entering.enter_context(gpu_slots(0 if shared else self.config.resources.gpus))
             entering.callback(self._stop_workers)  # runs first on exit: workers, then slots
@@ -249,19 +252,23 @@ class JobRun:
 
     # ------------------------------------------------------------------------- workers
 
-    def tenant_of(self, base_uri: str) -> None:
+    def _admit(self, base_uri: str) -> None:
         """With ``resources.placement`` shared, hold one adapter slot of the shared worker of
-        ``base_uri`` (the model the job's adapter trains on; Prefect limit
-        ``adapter-slots-<worker>``) for the rest of the run, waiting while all are taken; the
-        job's workers leave the shared worker before the slot is given back. Nothing for a
-        job with workers of its own."""
+        ``base_uri`` (the model the job's adapter trains on; ``backends.actors.admission``)
+        for the rest of the run, waiting while all are taken; the job's workers leave the
+        shared worker before the slot is given back. Once per worker; nothing for a job with
+        workers of its own. ``start_policy`` admits the job before it joins."""
         if self.config.resources.placement != "shared":
             return
-        worker = shared_worker_name(self._spec(base_uri))
-        limit = f"adapter-slots-{worker}"
+        spec = self._spec(base_uri)
+        worker = shared_worker_name(spec)
+        if worker in self._admitted:
+            return
+        self._admitted.add(worker)
+        limit = admission_limit(worker)
         self.say(f"waiting for an adapter slot of shared worker {worker} (limit {limit})")
         began = time.monotonic()
-        self._exits.enter_context(adapter_slots(limit, get_settings().shared_adapter_slots))
+        self._exits.enter_context(admission(spec, get_settings().shared_adapter_slots))
         self._exits.callback(self._stop_policies)  # leave the worker, then free the slot
         self.say(f"adapter slot of {worker} held after {time.monotonic() - began:.1f} s")
 
@@ -286,10 +293,18 @@ class JobRun:
         shared = self.config.resources.placement == "shared"
         return self.config.worker_plan(shared_worker_settings() if shared else None)
 
+    def start_model(self, model_uri: str) -> PolicyRef:
+        """The policy that serves the model ``model_uri`` as the job's placement says: workers
+        of its own, or (``resources.placement`` shared) the version's LoRA adapter on the
+        shared worker of its base (``start_lora_version``)."""
+        if self.config.resources.placement == "shared":
+            return self.start_lora_version(model_uri)
+        return self.start_policy(model_uri)
+
     def start_lora_version(self, model_uri: str) -> PolicyRef:
         """A tenant of the shared worker of the base a LoRA version was trained on, sampling
         with the version's own adapter (batch inference with ``resources.placement``
-        shared); the adapter slot is held for the rest of the run (``tenant_of``)."""
+        shared); the adapter slot is held for the rest of the run (``_admit``)."""
         meta = lora_export(resolve_model_uri(model_uri, self.ctx.cache_dir))
         if meta is None:
             raise ValueError(
@@ -299,7 +314,6 @@ class JobRun:
             )
         base = meta["base_model"]
         self.say(f"model: a LoRA adapter on {base}")
-        self.tenant_of(base)
         policy = self.start_policy(base, lora=LoraSettings(**meta["lora"]))
         sampler(policy).load_lora_export(model_uri)
         return policy
@@ -320,6 +334,7 @@ class JobRun:
         policy's LoRA settings, if not the job's (``start_lora_version``)."""
         spec = self._spec(model_uri, lora)
         plan = self.worker_plan()
+        self._admit(model_uri)  # a shared worker's tenant: its adapter slot, before it joins
         policy = None
         if adopt is not None:
             self._policies.append(adopt)  # stopped with the run, whatever happens next

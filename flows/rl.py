@@ -65,7 +65,6 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
         with job.phase("warm-up", warmup_plan(config)) as phase:
             warm = warmup.submit(config, job.ctx, base_uri, keep_workers=True).result()
             phase.result = describe_warmup(warm)
-        job.tenant_of(warm.model_uri)  # resources.placement shared: an adapter slot
         policy = job.start_policy(warm.model_uri, adopt=warm.workers)
         resumed = restore.submit(job.ctx, policy).result()
         start, cursor, acc_start = resume_point(resumed)

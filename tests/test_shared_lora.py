@@ -79,7 +79,7 @@ def test_tenants_share_the_base_and_are_isolated_bit_for_bit(base_dir: str) -> N
 def test_a_parked_tenant_is_restored_exactly(base_dir: str) -> None:
     """With one adapter slot, tenants take turns (each call may park the other, with its
     gradients accumulated so far); A ends bit-identical to A trained alone."""
-    shared = SharedBase(base_dir, slots=1)
+    shared = SharedBase(base_dir, resident=1)
     a = TinkerModel(shared, tinker_lora(rank=4), seed=3, name="a")
     b = TinkerModel(shared, tinker_lora(rank=4), seed=4, name="b")
     alone = TinkerModel(base_dir, tinker_lora(rank=4), seed=3, name="a")

@@ -30,13 +30,12 @@ from __future__ import annotations
 import contextlib
 import io
 import math
+import os
 import secrets
-import shutil
 import tempfile
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,6 +44,7 @@ from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from flowrl.backends import parking
 from flowrl.backends.algorithms import token_logprobs
 from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
 from flowrl.backends.tinker.types import (
@@ -64,7 +64,7 @@ from flowrl.backends.types import LoraSettings
 class SharedBase:
     """A base model loaded once, frozen, and the LoRA adapters of its tenants (``TinkerModel``s,
     PEFT adapters by name): one tenant's adapter is active at a time, under ``lock``. With
-    ``slots``, at most that many adapters are resident: a tenant that needs its adapter when the
+    ``resident``, at most that many adapters are resident: a tenant that needs its adapter when the
     slots are full parks the least recently used one (adapter, AdamW state and step count as
     ``state_bytes`` writes them, and its gradients, to disk; its RNG) and takes its place; the
     parked tenant is restored exactly on its next call."""
@@ -73,14 +73,14 @@ class SharedBase:
         self,
         base_path: str,
         device: str | torch.device = "cpu",
-        slots: int | None = None,
+        resident: int | None = None,
         loaded: tuple[torch.nn.Module, Any] | None = None,
     ):
         """``loaded``: the base model (float32, on ``device``) and its tokenizer, loaded already
         (a shared base-model worker's, ``backends.shared_worker``); None loads them."""
         self.base_path = base_path
         self.device = torch.device(device)
-        self.slots = slots
+        self.resident_limit = resident
         if loaded is None:
             loaded = (load_causal_lm(base_path, torch.float32).to(self.device), None)
         self.base = loaded[0]
@@ -123,7 +123,8 @@ class SharedBase:
         """The model with ``tenant``'s adapter resident and active, for one call."""
         with self.lock:
             if tenant.name not in self.resident:
-                while self.slots is not None and len(self.resident) >= self.slots:
+                limit = self.resident_limit
+                while limit is not None and len(self.resident) >= limit:
                     _, lru = self.resident.popitem(last=False)
                     lru.park()
                     self.evictions += 1
@@ -168,7 +169,7 @@ class TinkerModel:
         self.snapshots: dict[str, dict[str, torch.Tensor]] = {}
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(self.seed)
-        self.parked: dict[str, Any] | None = None
+        self.parked: str | None = None  # the file its tensors are parked in
         self.params: list[torch.nn.Parameter] = []
         self.optimizer: Any = None
         with self.base.use(self):
@@ -186,40 +187,33 @@ class TinkerModel:
         self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
         if self.parked is not None:
             parked, self.parked = self.parked, None
-            where = Path(parked["dir"])
-            files = {n: (where / n).read_bytes() for n in ("adapter.safetensors", "optimizer.pt")}
-            self._load(files, optimizer=True)
-            self.generator.set_state(parked["rng"])
-            grads = adapter_from_bytes((where / "grads.safetensors").read_bytes())
-            for i, param in enumerate(self.params):
-                param.grad = grads[str(i)].to(self.device) if str(i) in grads else None
-            shutil.rmtree(where)
+            parking.unpark(self._named_params(), self.optimizer, parked, self.device)
 
     def park(self) -> None:
-        """Write the adapter, AdamW's state, the step count and any accumulated gradients to
-        disk (the files ``save_state`` writes, in a folder of the base's), keep the RNG, and
-        free the adapter's slot (``unpark`` restores them bit for bit)."""
+        """Write the adapter, its accumulated gradients and AdamW's state to the base's disk
+        (``backends.parking``, the format a shared worker's tenants park in) and free the
+        adapter's place; ``unpark`` restores them bit for bit. The step count and the RNG stay
+        in memory."""
         with self.base.lock:
             self.base.peft.set_adapter(self.name)
-            where = Path(tempfile.mkdtemp(prefix="model-", dir=self.base.park_dir))
-            for name, data in self._files(True).items():
-                (where / name).write_bytes(data)
-            grads = {  # accumulated since the last optim_step: they stay too
-                str(i): p.grad.detach().cpu().contiguous()
-                for i, p in enumerate(self.params)
-                if p.grad is not None
-            }
-            (where / "grads.safetensors").write_bytes(save_safetensors(grads))
-            self.parked = {"dir": str(where), "rng": self.generator.get_state()}
+            handle, path = tempfile.mkstemp(prefix="model-", suffix=".st", dir=self.base.park_dir)
+            os.close(handle)
+            parking.park(self._named_params(), self.optimizer, path)
+            self.parked = path
             self.base.peft.delete_adapter(self.name)
             self.params, self.optimizer = [], None
+
+    def _named_params(self) -> dict[str, torch.nn.Parameter]:
+        """The adapter's parameters by name."""
+        mark = f".{self.name}."
+        return {n: p for n, p in self.base.peft.named_parameters() if mark in n}
 
     def close(self) -> None:
         """Leave the base (the adapter's slot is freed; snapshots dropped)."""
         self.base.leave(self)
         self.snapshots.clear()
-        if self.parked is not None:
-            shutil.rmtree(self.parked["dir"], ignore_errors=True)
+        if self.parked is not None and os.path.exists(self.parked):
+            os.unlink(self.parked)
         self.parked = None
 
     # ----------------------------------------------------------------------- training

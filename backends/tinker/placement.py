@@ -61,14 +61,14 @@ class LocalHandle:
 class LocalPlacement:
     """Models in this process (development, tests, the service's own samplers). Every model of
     one base model is a tenant of one ``SharedBase``: the base weights are loaded once, each
-    model holds only its LoRA adapter, AdamW state and RNG; with ``adapter_slots`` at most that
+    model holds only its LoRA adapter, AdamW state and RNG; with ``resident_adapters`` at most that
     many adapters are resident, the least recently used parked and restored exactly."""
 
     in_process = True
 
-    def __init__(self, cache_dir: str | None = None, adapter_slots: int | None = None):
+    def __init__(self, cache_dir: str | None = None, resident_adapters: int | None = None):
         self.cache_dir = cache_dir or get_settings().model_cache_dir
-        self.adapter_slots = adapter_slots
+        self.resident_adapters = resident_adapters
         self.bases: dict[str, Any] = {}
         self.lock = threading.Lock()
 
@@ -79,7 +79,7 @@ class LocalPlacement:
         path = resolve_base_model(uri, self.cache_dir)
         with self.lock:
             if path not in self.bases:
-                self.bases[path] = SharedBase(path, slots=self.adapter_slots)
+                self.bases[path] = SharedBase(path, resident=self.resident_adapters)
             return self.bases[path]
 
     def start(self, spec: dict[str, Any]) -> ModelHandle:
@@ -187,33 +187,26 @@ class SharedWorkerPlacement:
         from flowrl.backends.actors import (
             ActorResources,
             SharedPlacement,
+            admission,
             join_shared_worker,
-            shared_worker_name,
         )
-        from flowrl.backends.types import WorkerSpec
-        from flowrl.infra.scheduler import adapter_slots
+        from flowrl.backends.types import ModelTenancy, WorkerSpec
 
         _connect_ray()
         settings = get_settings()
         path = resolve_base_model(spec["base_uri"], self.cache_dir)
         base = WorkerSpec(model_uri=path, cache_dir=self.cache_dir)
         slot = contextlib.ExitStack()
-        name = shared_worker_name(base)
-        slot.enter_context(adapter_slots(f"adapter-slots-{name}", settings.shared_adapter_slots))
+        slot.enter_context(admission(base, settings.shared_adapter_slots))
         placement = SharedPlacement(
             idle_timeout_s=settings.shared_idle_s,
             mix_batches=settings.shared_mix_batches,
             resident=settings.shared_resident,
         )
         try:
+            tenancy = ModelTenancy(spec["lora"], spec["seed"])
             worker, info = join_shared_worker(
-                base,
-                placement,
-                ActorResources(),
-                "tinker_join",
-                spec["model_id"],
-                spec["lora"],
-                spec["seed"],
+                base, placement, ActorResources(), spec["model_id"], tenancy
             )
         except BaseException:
             slot.close()
@@ -233,12 +226,12 @@ class SharedModelHandle:
         self._slot = slot
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return _answer(self.actor.do.remote("tinker_call", self.model_id, method, args, kwargs))
+        return _answer(self.actor.call_as.remote(self.model_id, "model", method, *args, **kwargs))
 
     def close(self) -> None:
         """Unload the model (the worker goes on for its others) and give its slot back."""
         try:
-            ray.get(self.actor.do.remote("tinker_leave", self.model_id), timeout=30)
+            ray.get(self.actor.do.remote("leave", self.model_id), timeout=30)
         except Exception:  # noqa: BLE001 - a worker already gone holds nothing
             pass
         finally:

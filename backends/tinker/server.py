@@ -13,6 +13,7 @@ the command line, which builds the placement (``placement.py``).
 from __future__ import annotations
 
 import argparse
+import sys
 
 from flowrl.backends.tinker.placement import Placement
 from flowrl.backends.tinker.routes import create_app
@@ -64,14 +65,26 @@ def command_parser() -> argparse.ArgumentParser:
         "its models are unloaded, their slots freed, its saved states kept.",
     )
     parser.add_argument(
-        "--adapter-slots",
+        "--resident-adapters",
         type=int,
         default=None,
         metavar="N",
-        help="local placement: LoRA adapters resident on one base model at once (default: no "
-        "limit); beyond it the least recently used model is parked and restored exactly.",
+        help="local placement: LoRA adapters resident in memory on one base model at once "
+        "(default: no limit); beyond it the least recently used model is parked on disk and "
+        "restored exactly. (Admission, how many tenants a shared worker takes, is "
+        "FLOWRL_SHARED_ADAPTER_SLOTS.)",
     )
+    parser.add_argument("--adapter-slots", type=int, help=argparse.SUPPRESS)  # the old name
     return parser
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """The command's flags; the old ``--adapter-slots`` still works, with a warning."""
+    args = command_parser().parse_args(argv)
+    if args.adapter_slots is not None:
+        print("warning: --adapter-slots is deprecated; use --resident-adapters", file=sys.stderr)
+        args.resident_adapters = args.adapter_slots
+    return args
 
 
 def check_keys(args: argparse.Namespace) -> dict[str, str]:
