@@ -309,9 +309,10 @@ def _start_all(state: StackState, gpus: int, deploy: bool, ray: bool, say: _Prog
         "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
         # Expired GPU-slot leases (a killed job's) are reclaimed every 5 s, not every 15 s.
         "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": str(REPOSSESSOR_LOOP_SECONDS),
-        # SQLite takes one writer at a time: a busy job's task runs and logs (a tiny model's
-        # ~10 steps/s) hold the lock in turns, and a write that waits past this many seconds
-        # answers 503 (Prefect's default 10 s: a worker's submission of the next run crashed).
+        # SQLite takes one writer at a time: a busy job's task runs and logs hold the lock in
+        # turns, and a write that waits past this many seconds answers 503 (Prefect's default:
+        # 10 s). (A write that began as a read fails at once whatever the wait: that needs
+        # fewer writes per step, or Postgres, as in production.)
         "PREFECT_SERVER_DATABASE_TIMEOUT": str(PREFECT_DATABASE_TIMEOUT_S),
     }
     cmd = [str(BIN / "prefect"), "server", "start", "--host", HOST, "--port", str(port)]

@@ -589,7 +589,11 @@ def test_shared_worker_tenants_across_flow_runs(stack_env):
             "seed": seed,
             "model": {"lora": {"enabled": True}},
             "resources": {"placement": "shared"},
-            "rollout": {"prompts_per_step": 8},
+            # Steps of 32 prompts: a tiny model's steps of 8 (~10 a second, each three task
+            # runs) kept the stack's SQLite-backed Prefect API so busy that the worker's next
+            # submission was refused with 503 ("database is locked" on a write that began as a
+            # read, which no busy timeout waits out).
+            "rollout": {"prompts_per_step": 32},
             "schedule": {"steps": steps, "eval_every": 1000, "checkpoint_every": 1000},
         }
 
