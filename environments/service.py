@@ -127,6 +127,9 @@ class Limits(ServingLimits):
     """The longest a reset or step may take, whatever a client asks."""
 
 
+BAD_ROW = (ValueError, TypeError, KeyError, AttributeError, RecursionError)
+"""What a reset raises for a row or parameters it cannot take: a 400, not the service's fault."""
+
 Key = tuple[str | None, str, str]
 """(namespace, job, episode id)."""
 
@@ -225,13 +228,10 @@ class EpisodeTable:
         except EnvTimeoutError as exc:  # the call's thread runs on; its result is dropped
             self.drop(key, only=slot)
             raise ServiceError(504, str(exc)) from None
-        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as exc:
-            self.drop(key, only=slot)
-            if what == "reset":
-                raise ServiceError(400, f"reset refused: {str(exc)[:300]}") from None
-            raise ServiceError(500, f"{what} failed: {exc!r}"[:300]) from None
         except Exception as exc:
             self.drop(key, only=slot)
+            if what == "reset" and isinstance(exc, BAD_ROW):  # the row or parameters are wrong
+                raise ServiceError(400, f"reset refused: {str(exc)[:300]}") from None
             raise ServiceError(500, f"{what} failed: {exc!r}"[:300]) from None
 
     def opened(self, key: Key, slot: _Episode, env: Environment) -> None:

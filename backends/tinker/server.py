@@ -18,15 +18,8 @@ import sys
 from flowrl.backends.tinker.placement import Placement
 from flowrl.backends.tinker.routes import create_app
 from flowrl.backends.tinker.service import Limits, TinkerService
-from flowrl.infra.serving import (
-    add_serving_arguments,
-    check_exposure,
-    serve,
-    serving_limits,
-)
-from flowrl.infra.serving import (
-    read_keys as read_key_sources,
-)
+from flowrl.infra import serving
+from flowrl.infra.serving import add_serving_arguments, check_exposure, serve, serving_limits
 
 KEYS_VAR = "FLOWRL_TINKER_KEYS"
 KEY_PREFIX = "tml-"
@@ -36,7 +29,7 @@ PORT = 8790
 def read_keys(path: str | None = None) -> dict[str, str]:
     """API key → namespace, from ``path`` (lines ``namespace:tml-key``) and
     ``FLOWRL_TINKER_KEYS``."""
-    return read_key_sources(path, [KEYS_VAR], key_prefix=KEY_PREFIX)
+    return serving.read_keys(path, [KEYS_VAR], key_prefix=KEY_PREFIX)
 
 
 def command_parser() -> argparse.ArgumentParser:
