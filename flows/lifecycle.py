@@ -445,7 +445,7 @@ class JobRun:
         page = self.page
         if any(c.plot for c in page.columns):
             tracking.log_curve(self.run_id, page.curves(), plot)
-            page.draw_curve(f"final: {self.done_steps} steps")
+            page.draw_curve(f"final: {self.done_steps} steps", wait=True)
         record = redact(dataclasses.asdict(result))
         self.storage.write_json(f"{self.ctx.prefix}/result.json", record)
         rows = page.results_table() if page.columns else tracking.metric_table(self.run_id, table)

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import contextvars
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from prefect.artifacts import (
@@ -34,7 +36,8 @@ STEP_LINES = 50
 evaluation, and the last)."""
 CURVE_UPDATES = 10
 """The curve artifact is redrawn every ``max(1, steps // CURVE_UPDATES)`` steps and at each
-evaluation (~65 ms a drawing)."""
+evaluation (~65 ms a drawing, and ~0.7 s for matplotlib's import at the first: done by a
+thread of the page's own, off the step's path)."""
 TABLE_ROWS = 500
 """A longer job's results table keeps every k-th step so that about this many rows remain,
 and every evaluated step and the last."""
@@ -98,6 +101,9 @@ class RunPage:
         self._column_of = {m: c.name for c in columns for m in c.metrics}
         self._progress: tuple[Any, int] | None = None
         self._bar: tqdm | None = None
+        # Curves are drawn and sent by one thread, in order, while the job's next stage runs.
+        self._drawing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="run-page-curve")
+        self._drawn: list[Future] = []
 
     @property
     def metrics(self) -> list[str]:
@@ -172,9 +178,16 @@ class RunPage:
             self.draw_curve(f"step {done_steps} of {total}")
 
     def close(self) -> None:
-        """Close the progress bar."""
+        """Close the progress bar; wait for a curve still being drawn (a failed drawing is
+        logged, not raised: the job's outcome is decided already)."""
         if self._bar is not None:
             self._bar.close()
+        try:
+            self.wait_for_curve()
+        except Exception as e:  # noqa: BLE001 - see above
+            get_run_logger().warning("the curve artifact could not be drawn: %s", e)
+        finally:
+            self._drawing.shutdown(wait=True)
 
     # ------------------------------------------------------------------------ curve
 
@@ -188,12 +201,25 @@ class RunPage:
                     series[name].append((step, self.cells[step][name]))
         return series
 
-    def draw_curve(self, caption: str) -> None:
+    def draw_curve(self, caption: str, wait: bool = False) -> None:
         """The ``<job>-curve`` markdown artifact: the job's plotted columns against step as an
-        embedded PNG (a new version of the artifact each time; the UI shows the latest)."""
+        embedded PNG (a new version of the artifact each time; the UI shows the latest). Drawn
+        and sent by the page's thread, in the run's context; ``wait``: until it is sent (and
+        raise what failed)."""
         series = self.curves()
-        if not any(series.values()):
-            return
+        if any(series.values()):
+            context = contextvars.copy_context()  # the flow run the artifact belongs to
+            self._drawn.append(self._drawing.submit(context.run, self._send_curve, series, caption))
+        if wait:
+            self.wait_for_curve()
+
+    def wait_for_curve(self) -> None:
+        """Wait until the curves drawn so far are sent; raise the first one's error."""
+        drawn, self._drawn = self._drawn, []
+        for future in drawn:
+            future.result()
+
+    def _send_curve(self, series: tracking.Series, caption: str) -> None:
         png = base64.b64encode(tracking.curve_png(series)).decode("ascii")
         markdown = f"# {self.job}\n\n![curve](data:image/png;base64,{png})\n\n{caption}"
         create_markdown_artifact(
