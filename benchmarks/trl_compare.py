@@ -215,7 +215,8 @@ def trl_side(
     from flowrl.backends.model_uri import resolve_model_uri
     from flowrl.backends.types import WorkerSpec
     from flowrl.infra.settings import get_settings
-    from flowrl.tasks.common import chat_format, evaluate_policy
+    from flowrl.tasks.chat_formats import chat_format
+    from flowrl.tasks.episodes import evaluate_policy
 
     config = job_config(size, overrides or [])
     if seed is not None:

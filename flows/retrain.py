@@ -29,9 +29,9 @@ from flowrl.flows.rl import rl_train
 from flowrl.flows.run_page import job_run_name
 from flowrl.infra import tracking
 from flowrl.infra.settings import get_settings
-from flowrl.tasks.common import derived_seed
 from flowrl.tasks.evaluate import EvalSpec, score_model
 from flowrl.tasks.schemas import RetrainConfig, RLJobConfig
+from flowrl.tasks.seeding import derived_seed
 
 
 @dataclass(frozen=True)

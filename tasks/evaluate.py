@@ -17,7 +17,8 @@ from prefect.cache_policies import NO_CACHE
 
 from flowrl.backends.actors import PolicyRef
 from flowrl.environments.remote import env_factory_for
-from flowrl.tasks.common import chat_format, episode_succeeded, evaluate_policy, run_group_episodes
+from flowrl.tasks.chat_formats import chat_format
+from flowrl.tasks.episodes import episode_succeeded, evaluate_policy, run_group_episodes
 from flowrl.tasks.schemas import EnvSection, ModelSection, RolloutSection
 from flowrl.tasks.types import JobContext
 

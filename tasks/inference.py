@@ -12,8 +12,8 @@ from flowrl.agent_loop.types import Trajectory
 from flowrl.backends.actors import PolicyRef
 from flowrl.environments.remote import env_factory_for
 from flowrl.infra.storage import Storage
-from flowrl.tasks.common import (
-    chat_format,
+from flowrl.tasks.chat_formats import chat_format
+from flowrl.tasks.episodes import (
     episode_accuracy,
     episode_metrics,
     episode_succeeded,

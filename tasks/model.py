@@ -36,8 +36,10 @@ from flowrl.environments.types import NoDemonstration, TaskConfig
 from flowrl.infra import tracking
 from flowrl.infra.scheduler import gpu_slots
 from flowrl.infra.storage import Storage
-from flowrl.tasks.common import chat_format, evaluate_policy, stable_hash
+from flowrl.tasks.chat_formats import chat_format
+from flowrl.tasks.episodes import evaluate_policy
 from flowrl.tasks.schemas import JOB_KINDS, JobConfig, RLJobConfig, TrainingJobConfig
+from flowrl.tasks.seeding import stable_hash
 from flowrl.tasks.sft import chat_rows, sft_steps
 from flowrl.tasks.types import JobContext, WarmupResult
 

@@ -16,9 +16,8 @@ from flowrl.backends.actors import PolicyRef, sampler_weights_version, sync_weig
 from flowrl.backends.types import Datum
 from flowrl.environments.remote import env_factory_for
 from flowrl.infra.storage import Storage, prune_checkpoints
-from flowrl.tasks.common import (
-    chat_format,
-    derived_seed,
+from flowrl.tasks.chat_formats import chat_format
+from flowrl.tasks.episodes import (
     episode_metrics,
     episode_succeeded,
     evaluate_policy,
@@ -34,6 +33,7 @@ from flowrl.tasks.records import (
     save_trajectories,
 )
 from flowrl.tasks.schemas import RLJobConfig
+from flowrl.tasks.seeding import derived_seed
 from flowrl.tasks.types import EvalResult, JobContext, RolloutBatch, ScoredBatch, UpdateResult
 
 

@@ -26,15 +26,11 @@ from flowrl.infra.storage import (
     latest_checkpoint,
     prune_checkpoints,
 )
-from flowrl.tasks.common import (
-    SeededSampler,
-    chat_format,
-    derived_seed,
-    episode_metrics,
-    evaluate_policy,
-)
+from flowrl.tasks.chat_formats import chat_format
+from flowrl.tasks.episodes import episode_metrics, evaluate_policy
 from flowrl.tasks.records import save_trajectories
 from flowrl.tasks.schemas import SelfPlayJobConfig
+from flowrl.tasks.seeding import SeededSampler, derived_seed
 from flowrl.tasks.types import DuelResult, EvalResult, JobContext, RolloutBatch
 
 

@@ -16,7 +16,7 @@ from flowrl.backends.actors import PolicyRef, sampler, sync_weights, trainer
 from flowrl.backends.types import Datum
 from flowrl.environments.data import StaticSource, load_rows
 from flowrl.infra.storage import Storage
-from flowrl.tasks.common import chat_format
+from flowrl.tasks.chat_formats import chat_format
 from flowrl.tasks.schemas import SFTJobConfig
 from flowrl.tasks.types import ExactMatch, JobContext
 

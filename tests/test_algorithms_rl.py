@@ -19,7 +19,7 @@ from flowrl.backends.actors import sampler, start_policy, stop_policy, sync_weig
 from flowrl.backends.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from flowrl.backends.types import WorkerSpec
 from flowrl.infra.storage import Storage
-from flowrl.tasks.common import chat_format
+from flowrl.tasks.chat_formats import chat_format
 from flowrl.tasks.model import prepare_model
 from flowrl.tasks.records import load_data
 from flowrl.tasks.rl import rollout, score, update

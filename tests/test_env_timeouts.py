@@ -23,7 +23,7 @@ from flowrl.agent_loop.loop import LoopLimits, run_episodes
 from flowrl.agent_loop.types import SampleResult, StopReason
 from flowrl.environments.remote import EnvFactory, stop_env_pool
 from flowrl.environments.timeouts import EnvCall, Failed, call_all
-from flowrl.tasks.common import episode_metrics
+from flowrl.tasks.episodes import episode_metrics
 
 TIMEOUT_S = 2.0
 MODES = ("local", "ray", "http")

@@ -82,7 +82,7 @@ def test_registered_version_loads_by_uri_and_reproduces_final_accuracy(trained, 
     from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
     from flowrl.backends.model_uri import resolve_model_uri
     from flowrl.backends.types import WorkerSpec
-    from flowrl.tasks.common import evaluate_policy
+    from flowrl.tasks.episodes import evaluate_policy
 
     config, result = trained
     assert result.model_uri.startswith("models:/arithmetic-e2e/")

@@ -20,7 +20,7 @@ from services import ray_head, run_on_cluster, start_env_service
 from flowrl.cli import main
 from flowrl.environments.plugin import TRAIN_SEED_SPACING, PluginTask, play
 from flowrl.environments.registry import load, make_task
-from flowrl.tasks.common import episode_succeeded
+from flowrl.tasks.episodes import episode_succeeded
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLE = REPO / "examples" / "recall"

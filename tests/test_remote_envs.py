@@ -162,7 +162,7 @@ def test_killing_the_service_mid_run_fails_episodes_cleanly():
     assert all("environment service unreachable" in t.info["error"] for t in failed)
     assert all(len(t.turn_rewards) >= 1 for t in trajectories)  # the first round was played
 
-    from flowrl.tasks.common import episode_metrics
+    from flowrl.tasks.episodes import episode_metrics
 
     metrics = episode_metrics(trajectories, "env")
     assert metrics["env/stop_error"] == pytest.approx(len(failed) / len(trajectories))

@@ -22,8 +22,9 @@ from flowrl.backends.actors import (
 from flowrl.backends.chat import HFChatFormat
 from flowrl.backends.model_folder import load_tokenizer
 from flowrl.backends.types import Datum, WorkerSpec
-from flowrl.tasks.common import derived_seed, run_group_episodes
+from flowrl.tasks.episodes import run_group_episodes
 from flowrl.tasks.schemas import load_job
+from flowrl.tasks.seeding import derived_seed
 
 REPO = Path(__file__).resolve().parents[1]
 _names = itertools.count()

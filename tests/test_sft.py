@@ -91,7 +91,7 @@ def test_sft_lifts_exact_match_to_80_percent_within_3_minutes(chat_files, tmp_pa
 
 def test_loss_is_only_on_assistant_tokens(chat_files, tmp_path):
     """Changing the user's text changes no gradient-carrying token: the mask is 0 there."""
-    from flowrl.tasks.common import chat_format
+    from flowrl.tasks.chat_formats import chat_format
     from flowrl.tasks.sft import sft_datum
 
     cfg = SFTJobConfig.model_validate({"data": {"train": chat_files[0], "eval": chat_files[1]}})

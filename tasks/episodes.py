@@ -1,78 +1,21 @@
-"""Helpers shared by the stage tasks: chat formats, seeded samplers, episode batches."""
+"""Episode batches and what is measured on them: groups of episodes per row run through the
+samplers (``run_group_episodes``), their metrics and success rule, and a policy's evaluation on
+the held-out set."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import lru_cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from flowrl.agent_loop.loop import LoopLimits, run_episodes
-from flowrl.agent_loop.types import SampleResult, Trajectory
-from flowrl.backends.actors import PolicyRef, sampler
-from flowrl.backends.chat import HFChatFormat, probe
-from flowrl.backends.model_uri import resolve_model_uri
+from flowrl.agent_loop.types import Trajectory
+from flowrl.backends.actors import PolicyRef
+from flowrl.backends.chat import HFChatFormat
 from flowrl.environments.types import Environment
+from flowrl.tasks.seeding import SeededSampler, derived_seed
 from flowrl.tasks.types import EvalResult
-
-if TYPE_CHECKING:  # annotation only: the schemas import nothing from here
-    from flowrl.tasks.schemas import ModelSection
-
-
-def chat_format(model_uri: str, cache_dir: str, model: ModelSection) -> HFChatFormat:
-    """The policy's chat format as the job's ``model`` section asks (its ``chat_format`` and
-    ``tool_messages``): tokenizer, template, generation config and processor settings only
-    (tasks never load weights), checked by ``probe`` the first time a job asks for it (on what
-    the template accepts; ``prepare_model`` probes what the environment sends). Control tokens
-    inside environment text stay text."""
-    return _chat_format(model_uri, cache_dir, model.chat_format, model.tool_messages)
-
-
-@lru_cache(maxsize=8)
-def _chat_format(model_uri: str, cache_dir: str, name: str, tool_messages: str) -> HFChatFormat:
-    folder = resolve_model_uri(model_uri, cache_dir)
-    chat = HFChatFormat.from_folder(folder, chat_format=name, tool_messages=tool_messages)
-    probe(chat)
-    return chat
-
-
-def stable_hash(*parts: Any, length: int = 12) -> str:
-    """A short content hash of JSON-serialisable parts (cache keys, seeds)."""
-    blob = json.dumps(parts, sort_keys=True, default=str).encode()
-    return hashlib.sha256(blob).hexdigest()[:length]
-
-
-def derived_seed(*parts: Any) -> int:
-    return int(stable_hash(*parts, length=8), 16)
-
-
-class SeededSampler:
-    """Adapts a sampler worker to the agent loop's ``Sampler``; call k uses seed (base, k).
-
-    A rollout is thereby a pure function of (weights, step): a retried step re-samples the
-    same tokens.
-    """
-
-    def __init__(self, policy: PolicyRef, base_seed: int, index: int = 0):
-        self._worker = sampler(policy, index)
-        self._base_seed = base_seed
-        self._calls = 0
-
-    def sample(
-        self,
-        prompts: list[list[int]],
-        max_new_tokens: int,
-        temperature: float,
-        images: list[list[bytes]] | None = None,
-    ) -> list[SampleResult]:
-        seed = derived_seed(self._base_seed, self._calls)
-        self._calls += 1
-        if images is None:  # text only: the call every sampler backend understands
-            return self._worker.sample(prompts, max_new_tokens, temperature, seed)
-        return self._worker.sample(prompts, max_new_tokens, temperature, seed, images=images)
 
 
 def run_group_episodes(
