@@ -25,6 +25,7 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 from flowrl import __version__
 
@@ -231,17 +232,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"flowrl: {err}", file=sys.stderr)
         return 2
     _prepare(verbose=args.verbose)
+    from flowrl.flows.engines import start_engines
+
+    engines_ready = start_engines()  # Ray and Prefect's API boot while the flow imports
     if args.command == "selfplay":
         from flowrl.flows.selfplay import self_play
 
+        engines_ready()
         print(f"\n{self_play(config)}")
         return 0
     if args.command == "sft":
         from flowrl.flows.sft import sft_train
 
+        engines_ready()
         print(f"\n{sft_train(config)}")
         return 0
-    return _train(config)
+    return _train(config, engines_ready)
 
 
 def _serve(name: str, argv: list[str]) -> int:
@@ -360,10 +366,11 @@ def _terminated(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
-def _train(config) -> int:
+def _train(config, engines_ready: Callable[[], None]) -> int:
     from flowrl.flows.rl import rl_train
     from flowrl.infra.settings import get_settings
 
+    engines_ready()
     result = rl_train(config)
     print()
     print(f"held-out accuracy at the start of RL : {result.accuracy_start:.3f}")

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import signal
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -18,7 +16,6 @@ from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ThreadPoolTaskRunner
-from ray._private import auto_init_hook
 
 from flowrl.backends.actors import (
     PolicyRef,
@@ -38,12 +35,12 @@ from flowrl.backends.model_uri import resolve_model_uri
 from flowrl.backends.types import LoraSettings, WorkerSpec
 from flowrl.environments.remote import stop_env_pool
 from flowrl.environments.timeouts import abandoning_calls
+from flowrl.flows.engines import connect_ray
 from flowrl.flows.run_page import Column, Phase, RunPage
 from flowrl.infra import tracking
-from flowrl.infra.niceness import RAY_WORKER_NICENESS, yield_cpu_to_workers
 from flowrl.infra.redact import redact
 from flowrl.infra.scheduler import gpu_slots
-from flowrl.infra.settings import RAY_NAMESPACE, get_settings
+from flowrl.infra.settings import get_settings
 from flowrl.infra.storage import Storage
 from flowrl.tasks.schemas import JobConfig
 from flowrl.tasks.types import JobContext
@@ -85,65 +82,6 @@ class RayStageRunner(ThreadPoolTaskRunner):
         finally:
             with abandoning_calls() if stopping else contextlib.nullcontext():
                 super().__exit__(*exc_info)
-
-
-LOCAL_RAY_SYSTEM_CONFIG = {
-    # Workers start when an actor asks for one: none sit idle beside the job.
-    "prestart_worker_first_driver": False,
-    "worker_niceness": RAY_WORKER_NICENESS,  # infra/niceness.py
-}
-
-
-def connect_ray() -> bool:
-    """Connect this process to Ray (see ``RayStageRunner``); True if it started one.
-
-    Only here: from now on nothing in this process starts a Ray of its own (Ray's auto-init
-    is turned off), so a stage thread still running while a stopped job shuts its Ray down
-    fails at once instead of starting a second, fresh local Ray. A local Ray runs its workers
-    at niceness 0 and its helper daemons at ``FLOWRL_RAY_DAEMON_NICENESS``
-    (``infra.niceness``)."""
-    auto_init_hook.enable_auto_connect = False
-    if ray.is_initialized():
-        return False
-    s = get_settings()
-    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
-    init: dict[str, Any] = {"namespace": RAY_NAMESPACE, "log_to_driver": False, "runtime_env": env}
-    if s.ray_address is not None:
-        with _keep_sigterm_handler():
-            ray.init(address=s.ray_address, **init)
-        return True
-    init |= {"num_cpus": s.ray_num_cpus, "include_dashboard": False}
-    if s.ray_num_gpus is not None:
-        init["num_gpus"] = s.ray_num_gpus
-    init["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
-    with _keep_sigterm_handler():
-        ray.init(address="local", **init)
-    yield_cpu_to_workers(_started_here(), s.ray_daemon_niceness)
-    return True
-
-
-def _started_here() -> list[int]:
-    """The processes of the local Ray this process just started (GCS, monitors, dashboard,
-    raylet: its agents and workers are the raylet's children), nothing else it may have
-    started."""
-    with contextlib.suppress(AttributeError):  # Ray's node: not a public API
-        node = ray._private.worker._global_node
-        return [info.process.pid for infos in node.all_processes.values() for info in infos]
-    return []
-
-
-@contextlib.contextmanager
-def _keep_sigterm_handler() -> Iterator[None]:
-    """``ray.init`` replaces the SIGTERM handler with its own ``sys.exit``: put back the
-    Python handler there was. In a flow run that is Prefect's, which takes the worker's SIGTERM
-    after a cancel as the cancel (CANCELLED, ``on_cancellation`` hooks) rather than as a crash
-    (CRASHED, "Execution was aborted by Python system exit call")."""
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        yield
-    finally:
-        if callable(previous) and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, previous)
 
 
 def task_runner() -> RayStageRunner:

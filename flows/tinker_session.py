@@ -23,7 +23,8 @@ import ray
 from prefect import flow
 
 from flowrl.backends.tinker.actor import TinkerActor, actor_name
-from flowrl.flows.lifecycle import JobRun, connect_ray
+from flowrl.flows.engines import connect_ray
+from flowrl.flows.lifecycle import JobRun
 from flowrl.infra.settings import RAY_NAMESPACE, worker_environment
 from flowrl.tasks.schemas import TinkerSessionConfig
 

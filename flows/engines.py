@@ -1,0 +1,142 @@
+"""What a job's process connects to before its flow runs: Ray (``connect_ray``) and, on a
+machine without a Prefect API, Prefect's temporary server; ``start_engines`` begins both side
+by side while a command imports the flow."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import ray
+from ray._private import auto_init_hook
+
+from flowrl.infra.niceness import RAY_WORKER_NICENESS, yield_cpu_to_workers
+from flowrl.infra.settings import RAY_NAMESPACE, get_settings
+
+LOCAL_RAY_SYSTEM_CONFIG = {
+    # Workers start when an actor asks for one: none sit idle beside the job.
+    "prestart_worker_first_driver": False,
+    "worker_niceness": RAY_WORKER_NICENESS,  # infra/niceness.py
+}
+
+
+_early_ray: Future[bool] | None = None
+"""``connect_ray`` begun by ``start_engines`` in a thread, for the job's runner to take."""
+
+
+def start_engines() -> Callable[[], None]:
+    """Begin what a job run in this process connects to, each in a thread, so that they boot
+    side by side while the caller imports the flow's modules: Ray (``connect_ray``; the job's
+    runner then takes this Ray as the one it started, and stops it) and, where no Prefect API
+    is configured, Prefect's temporary server (the one its client would start at the flow's
+    first call, one after the other with the rest). Call it before importing a flow; call what
+    it returns before running the flow: it waits until both are up, and raises what failed.
+    The CLI's job commands do this (command to first step: see docs/benchmarks/cpu_tax.md)."""
+    global _early_ray
+    from prefect.settings import PREFECT_API_URL
+
+    # Off the main thread ray.init leaves the SIGTERM handler alone (as it should here: the
+    # command's own stays) and warns that it did.
+    logging.getLogger("ray._private.worker").addFilter(_NoSigtermWarning())
+    _early_ray = ray_started = Future()
+    threading.Thread(target=_start_ray, args=(ray_started,), name="ray-start", daemon=True).start()
+    api: Future[None] = Future()
+    if PREFECT_API_URL.value():
+        api.set_result(None)
+    else:
+        from prefect.server.api.server import SubprocessASGIServer
+
+        starting = threading.Thread(
+            target=_run_into, args=(api, SubprocessASGIServer().start), name="prefect-api-start"
+        )
+        starting.start()
+
+    def ready() -> None:
+        api.result()
+        ray_started.result()  # raised again where the runner takes it
+
+    return ready
+
+
+def _start_ray(started: Future[bool]) -> None:
+    """``connect_ray`` into ``started``, then stay: Ray starts its processes to die with the
+    thread that started them (Linux's parent-death signal), so this thread lives as long as
+    the process (a daemon thread: it does not keep the process alive)."""
+    _run_into(started, connect_ray)
+    if started.exception() is None:
+        threading.Event().wait()
+
+
+def _run_into(future: Future, fn: Callable[[], Any]) -> None:
+    try:
+        future.set_result(fn())
+    except BaseException as e:  # noqa: BLE001 - handed to the caller of ready()
+        future.set_exception(e)
+
+
+class _NoSigtermWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("SIGTERM handler is not set")
+
+
+def connect_ray() -> bool:
+    """Connect this process to Ray (see ``RayStageRunner``); True if it started one.
+
+    Only here: from now on nothing in this process starts a Ray of its own (Ray's auto-init
+    is turned off), so a stage thread still running while a stopped job shuts its Ray down
+    fails at once instead of starting a second, fresh local Ray. A local Ray runs its workers
+    at niceness 0 and its helper daemons at ``FLOWRL_RAY_DAEMON_NICENESS``
+    (``infra.niceness``). A Ray that ``start_engines`` began is waited for and counts as
+    started here."""
+    global _early_ray
+    auto_init_hook.enable_auto_connect = False
+    early = _early_ray
+    if early is not None and threading.current_thread() is threading.main_thread():
+        _early_ray = None
+        return early.result()
+    if ray.is_initialized():
+        return False
+    s = get_settings()
+    env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
+    init: dict[str, Any] = {"namespace": RAY_NAMESPACE, "log_to_driver": False, "runtime_env": env}
+    if s.ray_address is not None:
+        with _keep_sigterm_handler():
+            ray.init(address=s.ray_address, **init)
+        return True
+    init |= {"num_cpus": s.ray_num_cpus, "include_dashboard": False}
+    if s.ray_num_gpus is not None:
+        init["num_gpus"] = s.ray_num_gpus
+    init["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
+    with _keep_sigterm_handler():
+        ray.init(address="local", **init)
+    yield_cpu_to_workers(_started_here(), s.ray_daemon_niceness)
+    return True
+
+
+def _started_here() -> list[int]:
+    """The processes of the local Ray this process just started (GCS, monitors, dashboard,
+    raylet: its agents and workers are the raylet's children), nothing else it may have
+    started."""
+    with contextlib.suppress(AttributeError):  # Ray's node: not a public API
+        node = ray._private.worker._global_node
+        return [info.process.pid for infos in node.all_processes.values() for info in infos]
+    return []
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler() -> Iterator[None]:
+    """``ray.init`` replaces the SIGTERM handler with its own ``sys.exit``: put back the
+    Python handler there was. In a flow run that is Prefect's, which takes the worker's SIGTERM
+    after a cancel as the cancel (CANCELLED, ``on_cancellation`` hooks) rather than as a crash
+    (CRASHED, "Execution was aborted by Python system exit call")."""
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(previous) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)
