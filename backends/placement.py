@@ -10,13 +10,11 @@ start what it holds:
   (warm-up's, handed to the job);
 - ``start_model(spec) -> ModelHandle``: a Tinker API training model (``backends.tinker``).
 
-========================  ==================================  ===================================
-placement                 a job's policy                      a Tinker training model
-========================  ==================================  ===================================
-``InProcess``             ``LocalPolicy``                     a ``TinkerModel`` on a ``SharedBase``
-``OwnWorkers``            ``SplitPolicy`` / ``ColocatedPolicy``  a ``tinker-session`` run's actor
-``SharedTenant``          ``SharedPolicy``                    a tenant of the shared worker
-========================  ==================================  ===================================
+The kinds, each with what it starts for a job and for the Tinker API:
+
+- ``InProcess``: ``LocalPolicy``; a ``TinkerModel`` on this process's ``SharedBase``;
+- ``OwnWorkers``: ``SplitPolicy`` or ``ColocatedPolicy``; a ``tinker-session`` run's actor;
+- ``SharedTenant``: ``SharedPolicy``; an adapter on the base model's shared worker.
 
 How the workers are built (backends, threads, precision, what each asks the cluster for) is a
 ``WorkerBuild`` the placement holds. Callers never branch on the kind: what differs (the GPU

@@ -424,7 +424,8 @@ class ResourcesSection(_Section, title="Resources"):
     def placement_for(
         self, on_policy: bool = True, shared_worker: SharedWorkerSettings | None = None
     ) -> Placement:
-        """Where every policy of the job lives, warm-up's included (``backends.placement``):
+        """Where every policy of the job lives (``backends.placement``; warm-up's too, except a
+        shared tenant's, which warms up on workers of its own: ``tasks.model.warmup``):
         ``OwnWorkers`` with ``placement`` own, a ``SharedTenant`` with shared; the one place
         the choice is made from a job's config. Its workers' build: the job's GPU slots split
         evenly between a policy's samplers and trainer unless set per worker (a colocated
