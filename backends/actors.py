@@ -1,11 +1,12 @@
 """Long-lived workers that hold a policy's weights, as named Ray actors (or in-process).
 
-Prefect tasks never load weights: they receive a small ``PolicyRef`` (its placement: actor
-names) and call the workers' verbs through ``sampler(ref)`` / ``trainer(ref)``. A placement is
-one object with one interface (``PolicyRef``: the workers, ``sync``, ``restart``, ``stop``,
+Prefect tasks never load weights: they receive a small ``PolicyRef`` (where the workers are:
+actor names) and call the workers' verbs through ``sampler(ref)`` / ``trainer(ref)``. A
+``PolicyRef`` is one object with one interface (the workers, ``sync``, ``restart``, ``stop``,
 ``nodes``), implemented by ``SplitPolicy``, ``ColocatedPolicy``, ``SharedPolicy`` (a tenant's
 LoRA adapters on a shared base-model worker, ``backends.shared_worker``) and ``LocalPolicy``
-(the same verbs in-process, without Ray: benchmarks, notebooks).
+(the same verbs in-process, without Ray: benchmarks, notebooks). Which one a policy gets is its
+placement's (``backends.placement``), which starts it.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ from typing import Any
 
 import ray
 
-from flowrl.backends.types import JobTenancy, Precision, Tenancy, WorkerSpec
-from flowrl.infra.settings import RAY_NAMESPACE, worker_environment
+from flowrl.backends.types import JobTenancy, Tenancy, WorkerSpec
+from flowrl.infra.settings import RAY_NAMESPACE, get_settings, worker_environment
 
 # Workers started with local=True live here, keyed by their would-be actor name.
 _LOCAL_WORKERS: dict[str, Any] = {}
@@ -141,47 +142,6 @@ class ActorResources:
     num_gpus: float = 0.0
 
 
-@dataclass(frozen=True)
-class WorkerPlan:
-    """How a job's policy workers start (warm-up's included): what each asks the cluster for,
-    which backends, torch's threads per worker and the precision (``backends.precision``)."""
-
-    resources: ActorResources = ActorResources()
-    sampler_backend: str = "hf"
-    trainer_backend: str = "torch"
-    torch_threads: int = 1
-    dtype: Precision = "auto"
-    samplers: int = 1
-    trainer_threads: int | None = None  # None: torch_threads
-    colocate: bool = False  # the sampler and the trainer in one actor (ColocatedWorker)
-    shared: SharedPlacement | None = None  # a tenant of a shared base-model worker
-
-    def start(self, name: str, spec: WorkerSpec) -> PolicyRef:
-        """Start a policy's samplers and trainer as planned (``spec.torch_threads`` and
-        ``spec.dtype`` overridden; the trainer's threads may differ from the samplers')."""
-        return start_policy(
-            name,
-            self._spec(spec),
-            self.resources,
-            self.sampler_backend,
-            self.trainer_backend,
-            samplers=self.samplers,
-            trainer_threads=self.trainer_threads,
-            colocate=self.colocate,
-            shared=self.shared,
-        )
-
-    def adopt(self, ref: PolicyRef, spec: WorkerSpec) -> bool:
-        """Restart the running workers of ``ref`` (started with this plan, e.g. by warm-up)
-        from ``spec`` instead of starting new ones: the same processes, built again as
-        ``start`` would build them. False (nothing changed) when a backend cannot restart."""
-        return restart_policy(ref, self._spec(spec), trainer_threads=self.trainer_threads)
-
-    def _spec(self, spec: WorkerSpec) -> WorkerSpec:
-        """``spec`` with this plan's torch threads and precision."""
-        return spec.model_copy(update={"torch_threads": self.torch_threads, "dtype": self.dtype})
-
-
 class _Proxy:
     """Calls a worker's verbs synchronously, whether it is a Ray actor or a local object; a
     Ray actor's ``call_as`` gets ``route`` first (the role; a shared worker's tenant and
@@ -235,35 +195,31 @@ def start_policy(
     samplers: int = 1,
     trainer_threads: int | None = None,
     colocate: bool = False,
-    shared: SharedPlacement | None = None,
+    shared: SharedWorkerSettings | None = None,
 ) -> PolicyRef:
-    """Start ``samplers`` samplers and a trainer for one policy and wait until all hold their
-    weights, in the placement these choose (``LocalPolicy`` with ``local``; else a tenant of a
-    shared base-model worker with ``shared``; else ``ColocatedPolicy`` with ``colocate`` and
-    one sampler; else ``SplitPolicy``). The trainer runs ``trainer_threads`` torch threads
-    (default: ``spec.torch_threads``, as the samplers); Ray still counts it as
+    """Start ``samplers`` samplers and a trainer for one policy from ``spec`` as it is, and wait
+    until all hold their weights, in the placement (``backends.placement``) these arguments
+    name: ``InProcess`` with ``local``; else ``SharedTenant`` of the worker ``shared`` finds
+    (no admission: the caller's); else ``OwnWorkers`` (``colocate``: one actor, with one
+    sampler). A shorthand for notebooks, benchmarks and tests; a job's placement comes from
+    its config (``ResourcesSection.placement_for``). The trainer runs ``trainer_threads``
+    torch threads (default: ``spec.torch_threads``, as the samplers); Ray still counts it as
     ``resources.num_cpus``."""
-    paths = {
-        "sampler": _pick(SAMPLER_BACKENDS, sampler_backend, "sampler"),
-        "trainer": _pick(TRAINER_BACKENDS, trainer_backend, "trainer"),
-    }
-    specs = _role_specs(spec, trainer_threads)
+    from flowrl.backends import placement as where  # built on this module
+
+    build = where.WorkerBuild(
+        resources, sampler_backend, trainer_backend, trainer_threads=trainer_threads
+    )
     if local:
-        return LocalPolicy.start(name, paths, specs, samplers)
-    if shared is not None:
-        return SharedPolicy.start(name, specs, shared, resources)
-    options = {
-        "namespace": RAY_NAMESPACE,
-        "num_cpus": resources.num_cpus,
-        "num_gpus": resources.num_gpus,
-        "max_concurrency": 1,
-    }
-    if colocate and samplers == 1:
-        return ColocatedPolicy.start(name, paths, specs, options)
-    return SplitPolicy.start(name, paths, specs, options, samplers)
+        chosen: where.Placement = where.InProcess(build, samplers=samplers)
+    elif shared is not None:
+        chosen = where.SharedTenant(build, worker=shared)
+    else:
+        chosen = where.OwnWorkers(build, samplers=samplers, colocate=colocate)
+    return chosen.start_policy(name, spec)
 
 
-def _role_specs(spec: WorkerSpec, trainer_threads: int | None) -> dict[str, WorkerSpec]:
+def role_specs(spec: WorkerSpec, trainer_threads: int | None) -> dict[str, WorkerSpec]:
     """The sampler's and the trainer's spec: the trainer may run its own number of threads."""
     trainer_spec = spec.model_copy(update={"torch_threads": trainer_threads or spec.torch_threads})
     return {"sampler": spec, "trainer": trainer_spec}
@@ -274,7 +230,7 @@ def restart_policy(ref: PolicyRef, spec: WorkerSpec, trainer_threads: int | None
     it has (``start_policy``'s specs); the workers hold the new weights when it returns. False
     when a backend cannot restart (``restartable``): then the caller stops the policy and
     starts a new one (a worker that did restart holds the new spec, unused)."""
-    return ref.restart(_role_specs(spec, trainer_threads))
+    return ref.restart(role_specs(spec, trainer_threads))
 
 
 def _rebuild(holder: dict[str, Any], key: str, cls: type, spec: WorkerSpec) -> bool:
@@ -330,14 +286,15 @@ def _running(pid: int) -> bool:
 
 @dataclass(frozen=True)
 class PolicyRef:
-    """Where one policy's workers are, and what can be done with them: its placement. Small
-    and picklable (actor names), passed to tasks. Every sampler holds the same weights: a
-    weight sync reaches them all.
+    """Where one policy's workers are, and what can be done with them: a handle, small and
+    picklable (actor names), passed to tasks. Every sampler holds the same weights: a weight
+    sync reaches them all.
 
-    Three placements implement it, each owning its workers: ``SplitPolicy`` (samplers and a
-    trainer, each a Ray actor), ``ColocatedPolicy`` (one actor is the only sampler and the
-    trainer; a sync is a copy inside its process) and ``LocalPolicy`` (in this process, without
-    Ray). ``start_policy`` picks one; nothing else branches on where the workers are."""
+    Each kind owns its workers: ``SplitPolicy`` (samplers and a trainer, each a Ray actor),
+    ``ColocatedPolicy`` (one actor is the only sampler and the trainer; a sync is a copy inside
+    its process), ``SharedPolicy`` (adapters on a shared worker) and ``LocalPolicy`` (in this
+    process, without Ray). A placement (``backends.placement``) starts one; nothing else
+    branches on where the workers are."""
 
     samplers: tuple[str, ...]
     trainer: str
@@ -383,6 +340,11 @@ class PolicyRef:
     def sync(self) -> int:
         """Copy the trainer's weights into every sampler; the synced weights version."""
         raise NotImplementedError
+
+    def describe(self) -> str | None:
+        """Where the workers are, in words, when a log line should say (a shared worker's
+        tenant); None otherwise."""
+        return None
 
     def restart(self, specs: dict[str, WorkerSpec]) -> bool:
         """Build every worker again from ``specs`` (by role) in the processes it has; False
@@ -534,17 +496,31 @@ SHARED_CONCURRENCY = 64  # calls a shared worker takes in at once (its tenants' 
 
 
 @dataclass(frozen=True)
-class SharedPlacement:
-    """How a tenant's shared base-model worker is found or started: the worker holds ``gpus``
-    slots of the scheduler's ``gpu`` limit once, for all its tenants (through the Prefect API
-    at ``prefect_api_url``), and ends after ``idle_timeout_s`` without a tenant. The worker
-    that starts first sets these for all its tenants."""
+class SharedWorkerSettings:
+    """How a tenant's shared base-model worker is found or started (``SharedTenant``'s): the
+    worker holds ``gpus`` slots of the scheduler's ``gpu`` limit once, for all its tenants
+    (through the Prefect API at ``prefect_api_url``), and ends after ``idle_timeout_s`` without
+    a tenant. The worker that starts first sets these for all its tenants."""
 
     gpus: int = 0
     idle_timeout_s: float = 120.0
     prefect_api_url: str | None = None
     mix_batches: bool = True  # tenants' concurrent sampling calls share forward passes
     resident: int = 0  # tenants in the worker's memory at once, others parked on disk (0: all)
+
+    @classmethod
+    def from_settings(
+        cls, gpus: int = 0, prefect_api_url: str | None = None
+    ) -> SharedWorkerSettings:
+        """The settings' idle timeout, residency and batch mixing (``FLOWRL_SHARED_*``)."""
+        s = get_settings()
+        return cls(
+            gpus=gpus,
+            idle_timeout_s=s.shared_idle_s,
+            prefect_api_url=prefect_api_url,
+            mix_batches=s.shared_mix_batches,
+            resident=s.shared_resident,
+        )
 
 
 def shared_worker_name(spec: WorkerSpec) -> str:
@@ -585,7 +561,7 @@ class SharedPolicy(PolicyRef):
         cls,
         name: str,
         specs: dict[str, WorkerSpec],
-        placement: SharedPlacement,
+        placement: SharedWorkerSettings,
         resources: ActorResources,
     ) -> SharedPolicy:
         """Join the worker of ``specs``' base model, starting it if none runs."""
@@ -602,6 +578,13 @@ class SharedPolicy(PolicyRef):
 
     def _host(self) -> Any:
         return ray.get_actor(self.trainer, namespace=RAY_NAMESPACE)
+
+    def describe(self) -> str:
+        held = shared_worker_stats(self.trainer)
+        return (
+            f"tenant {self.tenant} of shared worker {self.trainer} (pid {held['pid']}, base "
+            f"loaded {held['base_loads']} time, {len(held['tenants'])} tenants now)"
+        )
 
     def sampler_worker(self, index: int = 0) -> _Proxy:
         return _Proxy(self._host(), True, self.tenant, "sampler")
@@ -628,7 +611,8 @@ def admission(base: WorkerSpec, slots: int) -> contextlib.AbstractContextManager
     adapter slots (the Prefect limit ``adapter-slots-<worker>``), held while the context is,
     waiting while all are taken. Jobs and Tinker models are admitted the same way; how many
     admitted tenants stay in the worker's memory at once is its residency
-    (``SharedPlacement.resident``), a separate matter."""
+    (``SharedWorkerSettings.resident``), a separate matter. (``SharedTenant.admission`` is the
+    placement's way to it.)"""
     from flowrl.infra.scheduler import adapter_slots
 
     return adapter_slots(admission_limit(shared_worker_name(base)), slots)
@@ -641,7 +625,7 @@ def admission_limit(worker: str) -> str:
 
 def join_shared_worker(
     base: WorkerSpec,
-    placement: SharedPlacement,
+    placement: SharedWorkerSettings,
     resources: ActorResources,
     tenant: str,
     tenancy: Tenancy,
@@ -706,7 +690,8 @@ def _located(fn: Callable[..., Any], *args: Any) -> tuple[Any, tuple[str, int]]:
     return fn(*args), _here()
 
 
-def _pick(registry: dict[str, str], name: str, what: str) -> str:
+def pick_backend(registry: dict[str, str], name: str, what: str) -> str:
+    """The ``module:Class`` of backend ``name`` in ``registry``; an unknown name raises."""
     if name not in registry:
         raise ValueError(f"unknown {what} backend {name!r}; known: {sorted(registry)}")
     return registry[name]

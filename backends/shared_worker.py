@@ -17,8 +17,8 @@ job's own sampler would, bit for bit. If a batch together fails, each call in it
 a bad call fails only its tenant.
 
 The worker's base and adapters are a ``tinker.engine.SharedBase``: Tinker API training models
-(``ModelTenancy``; ``backends.tinker.placement.SharedWorkerPlacement``) are adapters on the same
-base, next to the jobs', with the verbs and state of the Tinker API's own models.
+(``ModelTenancy``; ``backends.placement.SharedTenant``) are adapters on the same base, next to
+the jobs', with the verbs and state of the Tinker API's own models.
 
 With ``resident`` set, at most that many tenants keep their tensors in memory: a call of a
 parked tenant first parks the least recently used resident one — its adapters, gradients and

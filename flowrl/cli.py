@@ -298,21 +298,16 @@ def _serve_tinker(argv: list[str]) -> None:
     keys = server.check_keys(args)
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     get_settings().apply_to_environment()
-    if args.placement == "sessions":
-        from flowrl.backends.tinker.placement import SessionPlacement
-        from flowrl.flows.tinker_session import DeploymentRuns
-
-        placement = SessionPlacement(DeploymentRuns())
-    elif args.placement == "shared":
-        from flowrl.backends.tinker.placement import SharedWorkerPlacement
-
-        placement = SharedWorkerPlacement()
-    else:
-        from flowrl.backends.tinker.placement import LocalPlacement
-
-        placement = LocalPlacement(resident_adapters=args.resident_adapters)
+    placement = server.placement_for(args, _session_runs)
     print(f"Tinker API on http://{args.host}:{args.port} ({args.placement})", flush=True)
     server.run(args, keys, placement)
+
+
+def _session_runs():
+    """The Tinker API's session runs: runs of the ``tinker-session`` deployment."""
+    from flowrl.flows.tinker_session import DeploymentRuns
+
+    return DeploymentRuns()
 
 
 def _tinker(args) -> int:

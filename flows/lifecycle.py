@@ -19,19 +19,15 @@ from prefect.task_runners import ThreadPoolTaskRunner
 
 from flowrl.backends.actors import (
     PolicyRef,
-    SharedPlacement,
-    SharedPolicy,
-    WorkerPlan,
-    admission,
+    SharedWorkerSettings,
     admission_limit,
     sampler,
-    shared_worker_name,
-    shared_worker_stats,
     stop_policy,
     worker_nodes,
 )
 from flowrl.backends.lora_export import lora_export
 from flowrl.backends.model_uri import resolve_model_uri
+from flowrl.backends.placement import Placement
 from flowrl.backends.types import LoraSettings, WorkerSpec
 from flowrl.environments.remote import stop_env_pool
 from flowrl.environments.timeouts import abandoning_calls
@@ -89,17 +85,12 @@ def task_runner() -> RayStageRunner:
     return RayStageRunner()
 
 
-def shared_worker_settings() -> SharedPlacement:
+def shared_worker_settings() -> SharedWorkerSettings:
     """How this run's policies find or start a shared base-model worker: the settings' idle
     timeout, residency and batch mixing, and the Prefect API this process talks to (where the
-    worker holds its GPU slots). The job's plan sets those slots (``ResourcesSection.plan``)."""
-    s = get_settings()
-    return SharedPlacement(
-        idle_timeout_s=s.shared_idle_s,
-        prefect_api_url=PREFECT_API_URL.value() or None,
-        resident=s.shared_resident,
-        mix_batches=s.shared_mix_batches,
-    )
+    worker holds its GPU slots). The job's placement sets those slots
+    (``ResourcesSection.placement_for``)."""
+    return SharedWorkerSettings.from_settings(prefect_api_url=PREFECT_API_URL.value() or None)
 
 
 class JobRun:
@@ -147,8 +138,7 @@ class JobRun:
         get_settings().apply_to_environment()
         with contextlib.ExitStack() as entering:
             # A shared worker's tenant holds an adapter slot (``_admit``); the worker, its GPUs.
-            shared = self.config.resources.placement == "shared"
-            entering.enter_context(gpu_slots(0 if shared else self.config.resources.gpus))
+            entering.enter_context(gpu_slots(self.placement().run_gpu_slots))
             entering.callback(self._stop_workers)  # runs first on exit: workers, then slots
             self.run_id = self._start_tracking()
             self._exits = entering.pop_all()
@@ -190,23 +180,22 @@ class JobRun:
 
     # ------------------------------------------------------------------------- workers
 
-    def _admit(self, base_uri: str) -> None:
-        """With ``resources.placement`` shared, hold one adapter slot of the shared worker of
-        ``base_uri`` (the model the job's adapter trains on; ``backends.actors.admission``)
-        for the rest of the run, waiting while all are taken; the job's workers leave the
-        shared worker before the slot is given back. Once per worker; nothing for a job with
-        workers of its own. ``start_policy`` admits the job before it joins."""
-        if self.config.resources.placement != "shared":
-            return
+    def _admit(self, placement: Placement, base_uri: str) -> None:
+        """Where the placement puts the job's policy on a shared worker (``resources.placement``
+        shared), hold one adapter slot of the shared worker of ``base_uri`` (the model the
+        job's adapter trains on; ``Placement.admission``) for the rest of the run, waiting
+        while all are taken; the job's workers leave the shared worker before the slot is given
+        back. Once per worker; nothing for a job with workers of its own. ``start_policy``
+        admits the job before it joins."""
         spec = self._spec(base_uri)
-        worker = shared_worker_name(spec)
-        if worker in self._admitted:
+        worker = placement.shared_worker(spec)
+        if worker is None or worker in self._admitted:
             return
         self._admitted.add(worker)
         limit = admission_limit(worker)
         self.say(f"waiting for an adapter slot of shared worker {worker} (limit {limit})")
         began = time.monotonic()
-        self._exits.enter_context(admission(spec, get_settings().shared_adapter_slots))
+        self._exits.enter_context(placement.admission(spec))
         self._exits.callback(self._stop_policies)  # leave the worker, then free the slot
         self.say(f"adapter slot of {worker} held after {time.monotonic() - began:.1f} s")
 
@@ -225,17 +214,16 @@ class JobRun:
             **settings,
         )
 
-    def worker_plan(self) -> WorkerPlan:
-        """The job's worker plan (``config.worker_plan``), a shared placement's with this run's
-        ``shared_worker_settings``."""
-        shared = self.config.resources.placement == "shared"
-        return self.config.worker_plan(shared_worker_settings() if shared else None)
+    def placement(self) -> Placement:
+        """Where the job's policies live (``config.placement_for``), a shared worker found or
+        started with this run's ``shared_worker_settings``."""
+        return self.config.placement_for(shared_worker_settings())
 
     def start_model(self, model_uri: str) -> PolicyRef:
         """The policy that serves the model ``model_uri`` as the job's placement says: workers
-        of its own, or (``resources.placement`` shared) the version's LoRA adapter on the
-        shared worker of its base (``start_lora_version``)."""
-        if self.config.resources.placement == "shared":
+        of its own, or (``Placement.adapters_on_base``: a shared worker's tenant) the
+        version's LoRA adapter on the shared worker of its base (``start_lora_version``)."""
+        if self.placement().adapters_on_base:
             return self.start_lora_version(model_uri)
         return self.start_policy(model_uri)
 
@@ -271,30 +259,22 @@ class JobRun:
         each is a tag of the MLflow run (``node/sampler-0``, ``node/trainer``). ``lora``: the
         policy's LoRA settings, if not the job's (``start_lora_version``)."""
         spec = self._spec(model_uri, lora)
-        plan = self.worker_plan()
-        self._admit(model_uri)  # a shared worker's tenant: its adapter slot, before it joins
+        placement = self.placement()
+        self._admit(placement, model_uri)  # a shared worker's tenant: its slot, before it joins
         policy = None
         if adopt is not None:
             self._policies.append(adopt)  # stopped with the run, whatever happens next
-            if plan.adopt(adopt, spec):
+            if placement.adopt(adopt, spec):
                 policy = adopt
                 get_run_logger().info("policy workers: warm-up's, restarted from %s", model_uri)
             else:
                 stop_policy(adopt)
         if policy is None:
-            policy = plan.start(name or self.ctx.run_name, spec)
+            policy = placement.start_policy(name or self.ctx.run_name, spec)
             self._policies.append(policy)
-        if isinstance(policy, SharedPolicy):
-            held = shared_worker_stats(policy.trainer)
-            get_run_logger().info(
-                "policy: tenant %s of shared worker %s (pid %d, base loaded %d time, %d "
-                "tenants now)",
-                policy.tenant,
-                policy.trainer,
-                held["pid"],
-                held["base_loads"],
-                len(held["tenants"]),
-            )
+        described = policy.describe()
+        if described is not None:
+            get_run_logger().info("policy: %s", described)
         prefix = f"{name}/" if name else ""
         nodes = worker_nodes(policy)
         tags = {f"node/{prefix}trainer": nodes[policy.trainer]}

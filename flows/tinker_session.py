@@ -1,6 +1,7 @@
 """Tinker API sessions as flowrl jobs: each training model a flow run of ``tinker-session``.
 
-The Tinker service (``backends.tinker``) with ``SessionPlacement`` submits one run of the
+The Tinker service (``backends.tinker``) with its models on ``OwnWorkers``
+(``backends.placement``; ``flowrl serve tinker --placement sessions``) submits one run of the
 ``tinker-session`` deployment per training model, through ``DeploymentRuns``: the flow layer
 names the deployment, the backend only calls what it is given. The run is admitted like any job
 (its work queue, then ``resources.gpus`` slots of the scheduler's ``gpu`` limit, held through
@@ -33,7 +34,7 @@ DEPLOYMENT = "tinker-session"
 
 
 class DeploymentRuns:
-    """A ``SessionPlacement``'s runs: runs of this flow's deployment (``DEPLOYMENT``) on the
+    """``OwnWorkers``' session runs: runs of this flow's deployment (``DEPLOYMENT``) on the
     Prefect API of the environment, on ``queue`` (default: the deployment's own)."""
 
     def __init__(self, queue: str | None = None, deployment: str = DEPLOYMENT) -> None:

@@ -114,7 +114,7 @@ def warmup(
 ) -> WarmupResult:
     """SFT the base model until held-out accuracy reaches the target; cached by content hash.
 
-    Its workers start with the job's resources and backends (``worker_plan()``), inside the
+    Its workers start with the job's resources and backends (``placement_for()``), inside the
     job's GPU slots. With ``keep_workers`` a warm-up that ran hands them back running
     (``WarmupResult.workers``), for the job to restart from the warmed model rather than start
     new processes; else they are stopped. A second job with the same base model, environment
@@ -159,7 +159,7 @@ def _warmup(cfg: RLJobConfig, ctx: JobContext, base_uri: str, keep_workers: bool
         learning_rate=cfg.warmup.learning_rate,
         seed=cfg.seed,
     )
-    policy = cfg.worker_plan().start(f"{ctx.run_name}-warmup", spec)
+    policy = cfg.placement_for().start_policy(f"{ctx.run_name}-warmup", spec)
     try:
         accuracy, steps = _sft_until(cfg, ctx, task_cfg, base_uri, policy)
         trainer(policy).export_pretrained(ctx.storage_url, rel)

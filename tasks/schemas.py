@@ -3,7 +3,7 @@
 A bad value fails at once with the field's dotted name, before any job starts. Each job kind
 extends ``JobConfig`` (identity, model, resources); its model is the parameter of its flow, so
 the Prefect UI shows it as a form. Sections carry their own resolvers (``rollout.limits()``,
-``resources.plan()``) so no stage builds them by hand. The models are pure: what depends on
+``resources.placement_for()``) so no stage builds them by hand. The models are pure: what depends on
 where a job runs (settings, the Prefect API, the namespace) is resolved by the run
 (``flowrl.flows.lifecycle``) and passed in. Reading YAML and ``--set`` overrides is
 ``flowrl.infra.configfile``.
@@ -26,7 +26,8 @@ from pydantic import (
 )
 
 from flowrl.agent_loop.loop import LoopLimits
-from flowrl.backends.actors import ActorResources, SharedPlacement, WorkerPlan
+from flowrl.backends.actors import ActorResources, SharedWorkerSettings
+from flowrl.backends.placement import OwnWorkers, Placement, SharedTenant, WorkerBuild
 from flowrl.backends.tiny_model import TinyModelSpec
 from flowrl.backends.types import (
     ADVANTAGE_NAMES,
@@ -420,41 +421,44 @@ class ResourcesSection(_Section, title="Resources"):
             )
         return self
 
-    def plan(
-        self, on_policy: bool = True, shared_worker: SharedPlacement | None = None
-    ) -> WorkerPlan:
-        """How every policy worker of the job starts, warm-up included: the job's GPU slots
-        split evenly between a policy's samplers and trainer unless set per worker (a
-        colocated policy's one actor holds them all), its backends and its precision.
-        ``on_policy``: the job never samples while it trains (``colocate`` unset).
+    def placement_for(
+        self, on_policy: bool = True, shared_worker: SharedWorkerSettings | None = None
+    ) -> Placement:
+        """Where every policy of the job lives (``backends.placement``; warm-up's too, except a
+        shared tenant's, which warms up on workers of its own: ``tasks.model.warmup``):
+        ``OwnWorkers`` with ``placement`` own, a ``SharedTenant`` with shared; the one place
+        the choice is made from a job's config. Its workers' build: the job's GPU slots split
+        evenly between a policy's samplers and trainer unless set per worker (a colocated
+        policy's one actor, or a shared worker, holds them all), its backends, torch threads and
+        precision. ``on_policy``: the job never samples while it trains (``colocate`` unset).
         ``shared_worker`` (needed with ``placement`` shared): how the run finds or starts its
         shared worker, from its settings and Prefect API (``flows.lifecycle`` resolves them);
         the worker's GPU slots are the job's ``gpus``."""
+        if self.placement == "shared":
+            if shared_worker is None:
+                raise ValueError(
+                    "resources.placement shared: placement_for() needs the run's shared_worker "
+                    "settings (flows.lifecycle.shared_worker_settings)"
+                )
+            build = self._build(self.gpus_per_worker or self.gpus)
+            return SharedTenant(build, worker=replace(shared_worker, gpus=self.gpus))
         colocate = self.colocate
         if colocate is None:
             backends = (self.sampler_backend, self.trainer_backend)
             colocate = on_policy and self.samplers == 1 and backends == ("hf", "torch")
         workers = 1 if colocate else self.samplers + 1
-        per_worker = self.gpus_per_worker or self.gpus / workers
-        shared = None
-        if self.placement == "shared":
-            if shared_worker is None:
-                raise ValueError(
-                    "resources.placement shared: plan() needs the run's shared_worker settings "
-                    "(flows.lifecycle.shared_worker_settings)"
-                )
-            shared = replace(shared_worker, gpus=self.gpus)
-            per_worker = self.gpus_per_worker or self.gpus
-        return WorkerPlan(
-            resources=ActorResources(num_cpus=1, num_gpus=per_worker),
+        build = self._build(self.gpus_per_worker or self.gpus / workers)
+        return OwnWorkers(build, samplers=self.samplers, colocate=colocate, gpus=self.gpus)
+
+    def _build(self, gpus_per_worker: float) -> WorkerBuild:
+        """How the job's workers are built, each asking Ray for ``gpus_per_worker``."""
+        return WorkerBuild(
+            resources=ActorResources(num_cpus=1, num_gpus=gpus_per_worker),
             sampler_backend=self.sampler_backend,
             trainer_backend=self.trainer_backend,
             torch_threads=self.torch_threads,
             dtype=self.dtype,
-            samplers=self.samplers,
             trainer_threads=self.trainer_threads,
-            colocate=colocate,
-            shared=shared,
         )
 
 
@@ -539,12 +543,12 @@ class JobConfig(_Section):
         """``WorkerSpec`` fields this job kind sets for its policy workers."""
         return {"lora": self.model.lora}
 
-    def worker_plan(self, shared_worker: SharedPlacement | None = None) -> WorkerPlan:
-        """``resources.plan()`` for this job: on-policy unless it samples ahead of its
+    def placement_for(self, shared_worker: SharedWorkerSettings | None = None) -> Placement:
+        """``resources.placement_for()`` for this job: on-policy unless it samples ahead of its
         updates (``schedule.off_policy_steps``); ``shared_worker`` as there."""
         schedule = getattr(self, "schedule", None)
         on_policy = not getattr(schedule, "off_policy_steps", 0)
-        return self.resources.plan(on_policy, shared_worker)
+        return self.resources.placement_for(on_policy, shared_worker)
 
 
 class TrainingJobConfig(JobConfig):
@@ -785,8 +789,8 @@ class RetrainConfig(_Section):
     def worker_settings(self) -> dict[str, Any]:
         return self.job.worker_settings()
 
-    def worker_plan(self, shared_worker: SharedPlacement | None = None) -> WorkerPlan:
-        return self.job.worker_plan(shared_worker)
+    def placement_for(self, shared_worker: SharedWorkerSettings | None = None) -> Placement:
+        return self.job.placement_for(shared_worker)
 
 
 class EvalJobConfig(JobConfig):

@@ -122,10 +122,15 @@ def test_dtype_is_validated_and_reaches_the_worker_spec(monkeypatch):
     assert "resources.dtype" in str(err.value)
 
     started: list[WorkerSpec] = []
-    monkeypatch.setattr(actors, "start_policy", lambda name, spec, *a, **k: started.append(spec))
+
+    def record(cls, name, paths, specs, *args):
+        started.append(specs["sampler"])
+
+    for kind in (actors.SplitPolicy, actors.ColocatedPolicy):  # own workers, either way
+        monkeypatch.setattr(kind, "start", classmethod(record))
     cfg = RLJobConfig.model_validate({"resources": {"dtype": "bfloat16"}})
     assert RLJobConfig().resources.dtype == "auto"
-    cfg.resources.plan().start("job", WorkerSpec(model_uri="m", cache_dir="c"))
+    cfg.resources.placement_for().start_policy("job", WorkerSpec(model_uri="m", cache_dir="c"))
     assert started[0].dtype == "bfloat16"
 
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from flowrl.backends import actors
-from flowrl.backends.actors import ActorResources, WorkerPlan
+from flowrl.backends.actors import ActorResources
+from flowrl.backends.placement import InProcess, OwnWorkers, WorkerBuild
 from flowrl.environments.arithmetic import ArithmeticTask
 from flowrl.tasks.schemas import (
     InferenceJobConfig,
@@ -40,26 +40,24 @@ def test_warmup_workers_start_with_the_jobs_resources_and_backends(tmp_path, mon
     from flowrl.tasks.model import prepare_model, warmup
 
     started: list[tuple[str, ActorResources, str, str, int, int | None]] = []
-    real_start = actors.start_policy
 
-    def record(
-        name,
-        spec,
-        resources,
-        sampler_backend,
-        trainer_backend,
-        samplers,
-        trainer_threads,
-        colocate,
-        shared,
-    ):
-        assert not colocate and shared is None  # two samplers: never colocated; workers of its own
+    def record(placement, name, spec):
+        assert not placement.colocate  # two samplers: never colocated; workers of its own
+        build = placement.build
         started.append(
-            (name, resources, sampler_backend, trainer_backend, samplers, trainer_threads)
+            (
+                name,
+                build.resources,
+                build.sampler_backend,
+                build.trainer_backend,
+                placement.samplers,
+                build.trainer_threads,
+            )
         )
-        return real_start(name, spec, local=True, samplers=samplers)  # real workers, in-process
+        in_process = InProcess(build, samplers=placement.samplers)
+        return in_process.start_policy(name, spec)  # real workers, in-process
 
-    monkeypatch.setattr(actors, "start_policy", record)
+    monkeypatch.setattr(OwnWorkers, "start_policy", record)
     cfg = RLJobConfig.model_validate(
         {
             "name": "warm-plan",
@@ -77,8 +75,8 @@ def test_warmup_workers_start_with_the_jobs_resources_and_backends(tmp_path, mon
     result = warmup.fn(cfg, ctx, prepare_model.fn(cfg, ctx))
     assert result.steps == 2 and not result.cached
     assert started == [("warm-plan-run-warmup", ActorResources(1, 0.5), "hf", "torch", 2, 2)]
-    plan = WorkerPlan(ActorResources(1, 0.5), "hf", "torch", 1, samplers=2, trainer_threads=2)
-    assert cfg.resources.plan() == plan
+    build = WorkerBuild(ActorResources(1, 0.5), "hf", "torch", 1, "auto", trainer_threads=2)
+    assert cfg.resources.placement_for() == OwnWorkers(build, samplers=2)
 
 
 def _chat_file(folder: Path, n: int) -> str:

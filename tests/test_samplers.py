@@ -98,20 +98,20 @@ def _data(prompts: list[list[int]], results) -> list[Datum]:
 
 
 def test_gpu_slots_are_split_between_every_sampler_and_the_trainer():
-    plan = load_job(None, ["resources.samplers=3", "resources.gpus=4"]).resources.plan()
-    assert plan.samplers == 3 and plan.resources.num_gpus == 1.0 and not plan.colocate
+    where = load_job(None, ["resources.samplers=3", "resources.gpus=4"]).resources.placement_for()
+    assert where.samplers == 3 and where.build.resources.num_gpus == 1.0 and not where.colocate
 
 
 def test_an_on_policy_job_colocates_its_sampler_and_trainer_unless_told_otherwise():
     """Unset, ``resources.colocate`` follows the job: on-policy with one sampler and the hf
     and torch backends, one actor holds both roles and all the job's GPU slots."""
-    on_policy = load_job(None, ["resources.gpus=2"]).worker_plan()
-    assert on_policy.colocate and on_policy.resources.num_gpus == 2.0
-    ahead = load_job(None, ["resources.gpus=2", "schedule.off_policy_steps=1"]).worker_plan()
-    assert not ahead.colocate and ahead.resources.num_gpus == 1.0
-    apart = load_job(None, ["resources.gpus=2", "resources.colocate=false"]).worker_plan()
-    assert not apart.colocate and apart.resources.num_gpus == 1.0
-    assert not load_job(None, ["resources.trainer_backend=deepspeed"]).worker_plan().colocate
+    on_policy = load_job(None, ["resources.gpus=2"]).placement_for()
+    assert on_policy.colocate and on_policy.build.resources.num_gpus == 2.0
+    ahead = load_job(None, ["resources.gpus=2", "schedule.off_policy_steps=1"]).placement_for()
+    assert not ahead.colocate and ahead.build.resources.num_gpus == 1.0
+    apart = load_job(None, ["resources.gpus=2", "resources.colocate=false"]).placement_for()
+    assert not apart.colocate and apart.build.resources.num_gpus == 1.0
+    assert not load_job(None, ["resources.trainer_backend=deepspeed"]).placement_for().colocate
     with pytest.raises(ValueError, match="cannot sample while it trains"):
         load_job(None, ["resources.colocate=true", "schedule.off_policy_steps=1"])
     with pytest.raises(ValueError, match="needs one sampler"):

@@ -21,7 +21,7 @@ import ray
 import torch
 
 from flowrl.backends.actors import (
-    SharedPlacement,
+    SharedWorkerSettings,
     sampler,
     shared_worker_name,
     shared_worker_stats,
@@ -83,7 +83,7 @@ def test_a_tenant_computes_what_its_own_workers_would(ray_local, spec: WorkerSpe
         expected = (_train(own), _samples(own))
     finally:
         stop_policy(own)
-    tenant = start_policy("tenant-parity", spec, shared=SharedPlacement(idle_timeout_s=2))
+    tenant = start_policy("tenant-parity", spec, shared=SharedWorkerSettings(idle_timeout_s=2))
     try:
         assert (_train(tenant), _samples(tenant)) == expected
         assert tenant.weights_version() == 3
@@ -92,10 +92,10 @@ def test_a_tenant_computes_what_its_own_workers_would(ray_local, spec: WorkerSpe
 
 
 def test_tenants_share_one_base_and_are_isolated_bit_for_bit(ray_local, spec: WorkerSpec) -> None:
-    placement = SharedPlacement(idle_timeout_s=2)
-    a = start_policy("tenant-a", spec, shared=placement)
+    settings = SharedWorkerSettings(idle_timeout_s=2)
+    a = start_policy("tenant-a", spec, shared=settings)
     began = time.monotonic()
-    b = start_policy("tenant-b", spec.model_copy(update={"seed": 2}), shared=placement)
+    b = start_policy("tenant-b", spec.model_copy(update={"seed": 2}), shared=settings)
     joined_s = time.monotonic() - began
     try:
         assert a.trainer == b.trainer == shared_worker_name(spec)
@@ -114,9 +114,9 @@ def test_tenants_share_one_base_and_are_isolated_bit_for_bit(ray_local, spec: Wo
 
 
 def test_a_failing_tenant_fails_alone(ray_local, spec: WorkerSpec) -> None:
-    placement = SharedPlacement(idle_timeout_s=2)
-    a = start_policy("failing-a", spec, shared=placement)
-    b = start_policy("healthy-b", spec.model_copy(update={"seed": 2}), shared=placement)
+    settings = SharedWorkerSettings(idle_timeout_s=2)
+    a = start_policy("failing-a", spec, shared=settings)
+    b = start_policy("healthy-b", spec.model_copy(update={"seed": 2}), shared=settings)
     try:
         pid = _pid(a.trainer)
         b_before = _samples(b)
@@ -158,9 +158,9 @@ def test_tenants_sampling_at_once_share_forward_passes(ray_local, spec: WorkerSp
     """Sampling calls of several tenants that arrive together run as one batch, each row with
     its tenant's adapter: greedy rows equal each tenant's own, a tenant's sampled draws do not
     depend on whose rows share the batch, and a bad call fails only its tenant."""
-    placement = SharedPlacement(idle_timeout_s=2)
+    settings = SharedWorkerSettings(idle_timeout_s=2)
     policies = [
-        start_policy(f"mix-{i}", spec.model_copy(update={"seed": i + 1}), shared=placement)
+        start_policy(f"mix-{i}", spec.model_copy(update={"seed": i + 1}), shared=settings)
         for i in range(3)
     ]
     try:
@@ -217,7 +217,7 @@ def test_a_parked_tenant_is_restored_exactly(ray_local, spec: WorkerSpec) -> Non
         policy.sync()
         return losses
 
-    alone = start_policy("parked-alone", spec, shared=SharedPlacement(idle_timeout_s=2))
+    alone = start_policy("parked-alone", spec, shared=SharedWorkerSettings(idle_timeout_s=2))
     try:
         expected = (steps(alone), trainer(alone).get_weights(), _samples(alone))
     finally:
@@ -225,9 +225,9 @@ def test_a_parked_tenant_is_restored_exactly(ray_local, spec: WorkerSpec) -> Non
         ray.kill(ray.get_actor(alone.trainer, namespace=NAMESPACE))
         assert _gone(alone.trainer, within_s=15)
 
-    placement = SharedPlacement(idle_timeout_s=2, resident=1)
-    a = start_policy("parked-a", spec, shared=placement)
-    b = start_policy("parked-b", spec.model_copy(update={"seed": 2}), shared=placement)
+    settings = SharedWorkerSettings(idle_timeout_s=2, resident=1)
+    a = start_policy("parked-a", spec, shared=settings)
+    b = start_policy("parked-b", spec.model_copy(update={"seed": 2}), shared=settings)
     try:
         losses = steps(a, other=b)
         stats = shared_worker_stats(a.trainer)
@@ -257,8 +257,8 @@ def test_a_tinker_model_is_a_tenant_of_the_worker_jobs_use(
     from tinker import types
 
     from flowrl.backends.model_folder import load_tokenizer
+    from flowrl.backends.placement import SharedTenant
     from flowrl.backends.tinker.checkpoints import resolve_base_model
-    from flowrl.backends.tinker.placement import SharedWorkerPlacement
     from flowrl.backends.tinker.service import TinkerService
 
     key = "tml-shared-" + "s" * 24
@@ -267,9 +267,9 @@ def test_a_tinker_model_is_a_tenant_of_the_worker_jobs_use(
     job = start_policy(
         "job-beside-tinker",
         spec.model_copy(update={"model_uri": path, "cache_dir": cache}),
-        shared=SharedPlacement(idle_timeout_s=2),
+        shared=SharedWorkerSettings(idle_timeout_s=2),
     )
-    server = TinkerServer(TinkerService(SharedWorkerPlacement(cache), keys={key: "alice"}))
+    server = TinkerServer(TinkerService(SharedTenant(cache_dir=cache), keys={key: "alice"}))
     client = tinker.ServiceClient(base_url=server.url, api_key=key)
     try:
         job_before = _samples(job)
@@ -316,12 +316,12 @@ def test_a_tinker_model_is_a_tenant_of_the_worker_jobs_use(
 def test_an_idle_worker_ends_and_the_next_tenant_starts_a_new_one(
     ray_local, spec: WorkerSpec
 ) -> None:
-    placement = SharedPlacement(idle_timeout_s=1.5)
-    a = start_policy("idle-a", spec, shared=placement)
+    settings = SharedWorkerSettings(idle_timeout_s=1.5)
+    a = start_policy("idle-a", spec, shared=settings)
     pid = _pid(a.trainer)
     stop_policy(a)
     assert _gone(a.trainer, within_s=15), "a worker without tenants outlived its idle timeout"
-    b = start_policy("idle-b", spec, shared=placement)
+    b = start_policy("idle-b", spec, shared=settings)
     try:
         assert _pid(b.trainer) != pid and shared_worker_stats(b.trainer)["base_loads"] == 1
     finally:
@@ -345,10 +345,12 @@ def test_the_worker_holds_its_gpu_slots_once(prefect_api, ray_local, spec, monke
     monkeypatch.setenv("FLOWRL_POOL_GPUS", "2")
     asyncio.run(apply_scheduler(load_scheduler()))
     before = _gpu_limit_active()
-    placement = SharedPlacement(gpus=1, idle_timeout_s=1.5, prefect_api_url=PREFECT_API_URL.value())
+    settings = SharedWorkerSettings(
+        gpus=1, idle_timeout_s=1.5, prefect_api_url=PREFECT_API_URL.value()
+    )
     on_cpu = spec.model_copy(update={"device": "cpu"})
-    a = start_policy("gpu-a", on_cpu, shared=placement)
-    b = start_policy("gpu-b", on_cpu.model_copy(update={"seed": 2}), shared=placement)
+    a = start_policy("gpu-a", on_cpu, shared=settings)
+    b = start_policy("gpu-b", on_cpu.model_copy(update={"seed": 2}), shared=settings)
     try:
         assert _gpu_limit_active() == before + 1
     finally:

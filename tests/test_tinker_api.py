@@ -1,7 +1,7 @@
 """The Tinker API through the official ``tinker`` SDK (0.38.0), never a hand-written client
 (raw HTTP only where a test sends what the SDK never would: malformed bodies, another key's
 ids). The service runs for real: uvicorn on a loopback port, models in the service's process
-(``LocalPlacement``; the Prefect/Ray sessions are in ``test_stack.py``)."""
+(``InProcess`` placement; the Prefect/Ray sessions are in ``test_stack.py``)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ import tinker
 from services import TinkerServer
 from tinker import types
 
+from flowrl.backends.placement import InProcess
 from flowrl.backends.tinker.checkpoints import resolve_base_model as base_folder
-from flowrl.backends.tinker.placement import LocalPlacement
 from flowrl.backends.tinker.service import Limits, TinkerService
 from flowrl.infra.servers import free_port
 
@@ -70,7 +70,7 @@ def home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 @pytest.fixture(scope="module")
 def server(home: Path) -> Iterator[Server]:
     limits = Limits(max_body_bytes=2**20, max_models_per_namespace=6)
-    service = TinkerService(LocalPlacement(), keys={ALICE: "alice", BOB: "bob"}, limits=limits)
+    service = TinkerService(InProcess(), keys={ALICE: "alice", BOB: "bob"}, limits=limits)
     srv = Server(service)
     yield srv
     srv.stop()
@@ -144,7 +144,7 @@ def test_save_state_then_resume_with_optimizer_is_exact(server: Server, tokenize
     fourth.forward_backward(data, "cross_entropy")
     fourth.optim_step(adam).result()
     assert abs(fourth.forward(data, "cross_entropy").result().metrics["loss:sum"] - a) <= 1e-5
-    # Five training models of one base model, all on one copy of its weights (LocalPlacement).
+    # Five training models of one base model, all on one copy of its weights (InProcess).
     (shared,) = server.service.placement.bases.values()
     assert len(shared.resident) >= 4
     other_shape = client.create_lora_training_client(BASE, rank=4, seed=9).result()
@@ -393,7 +393,7 @@ def test_a_session_without_heartbeats_ends_and_keeps_its_states(home: Path, toke
     """A client that stops heartbeating: after the TTL its models are unloaded (410), and its
     saved state loads in a new session."""
     limits = Limits(session_ttl_s=2.0, long_poll_s=0.001)  # results come after 408s
-    service = TinkerService(LocalPlacement(), keys={ALICE: "alice"}, limits=limits)
+    service = TinkerService(InProcess(), keys={ALICE: "alice"}, limits=limits)
     srv = Server(service)
     try:
         live = srv.client()  # its SDK heartbeats every 10 s: outlives the 2 s TTL only between
@@ -483,7 +483,7 @@ def test_a_base_model_that_does_not_load_fails_its_request_not_the_server(home: 
     loader's message, the model leaves no slot taken, and the server serves on."""
     catalogue = {"gone": str(home / "no-such-model"), BASE: "tiny"}
     service = TinkerService(
-        LocalPlacement(),
+        InProcess(),
         catalogue=catalogue,
         keys={ALICE: "alice"},
         limits=Limits(max_models_per_namespace=1),

@@ -21,7 +21,7 @@ import pytest
 from families import FAMILIES, build_family
 from services import TinkerServer
 
-from flowrl.backends.tinker.placement import LocalPlacement
+from flowrl.backends.placement import InProcess
 from flowrl.backends.tinker.service import TinkerService
 
 REPO = Path(__file__).resolve().parent.parent
@@ -64,7 +64,7 @@ def server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[st
     fixture model; yields its URL and the fixture's folder."""
     monkeypatch.setenv("FLOWRL_HOME", str(tmp_path / "home"))
     folder = build_family(FAMILIES["qwen3"], tmp_path / "qwen3")
-    service = TinkerService(LocalPlacement(), catalogue={BASE: folder}, keys={KEY: "cookbook"})
+    service = TinkerService(InProcess(), catalogue={BASE: folder}, keys={KEY: "cookbook"})
     server = TinkerServer(service)
     try:
         yield server.url, folder

@@ -45,12 +45,12 @@ ALLOWED_IMPORTS = {
 @pytest.fixture(scope="module")
 def tinker_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The Tinker API on loopback (local placement, one key); its base URL."""
-    from flowrl.backends.tinker.placement import LocalPlacement
+    from flowrl.backends.placement import InProcess
     from flowrl.backends.tinker.service import TinkerService
 
     storage = tmp_path_factory.mktemp("tinker-storage")
     service = TinkerService(
-        LocalPlacement(),
+        InProcess(),
         catalogue={"flowrl/tiny": "tiny"},
         keys={KEY: "examples"},
         storage_url=str(storage),

@@ -8,6 +8,7 @@ flowrl's models behind it. One module each:
 - ``wire``: the SDK's protobuf messages;
 - ``checkpoints``: where runs and checkpoints live in storage, and where base models come from;
 - ``engine``: one training model (a LoRA adapter on a shared base, AdamW, samplers);
-- ``placement``: where a model lives (this process, a session flow run's Ray actor, a shared
-  worker); ``actor``: that Ray actor.
+- ``handles``: the service's handles on its models, wherever their placement
+  (``backends.placement``: this process, a session flow run's Ray actor, a shared worker) put
+  them; ``actor``: that Ray actor.
 """

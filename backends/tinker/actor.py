@@ -1,11 +1,11 @@
 """The Ray actor that holds a Tinker training model when sessions are flowrl jobs.
 
 The ``tinker-session`` flow run (``flows/tinker_session.py``) starts it, named
-``tinker-<model>`` in flowrl's Ray namespace, where the service's ``SessionPlacement`` finds it.
-One call at a time runs on the model, while ``poll`` (the flow run's supervision) waits for the
-metrics it records (loss per ``forward_backward``, tokens, learning rate and gradient norm per
-``optim_step``) or for ``close`` (the service unloads the model): then the run ends and its GPU
-slots are freed.
+``tinker-<model>`` in flowrl's Ray namespace, where the service's ``OwnWorkers`` placement
+finds it. One call at a time runs on the model, while ``poll`` (the flow run's supervision)
+waits for the metrics it records (loss per ``forward_backward``, tokens, learning rate and
+gradient norm per ``optim_step``) or for ``close`` (the service unloads the model): then the
+run ends and its GPU slots are freed.
 """
 
 from __future__ import annotations

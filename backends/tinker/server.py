@@ -6,16 +6,18 @@ Keys (``X-API-Key: tml-…``, the SDK's header) map to namespaces as for every f
 (``infra.serving``); they come from ``--keys-file`` (lines ``namespace:tml-key``) or
 ``FLOWRL_TINKER_KEYS`` (``namespace:key,namespace:key``), never from a config, and a Tinker key
 starts with ``tml-`` as the SDK requires. Without keys the service starts only with
-``--insecure-loopback`` on a loopback address. Where models live (``--placement``) is chosen by
-the command line, which builds the placement (``placement.py``).
+``--insecure-loopback`` on a loopback address. Where models live (``--placement``) is a
+``backends.placement.Placement``, mapped from the flag once (``placement_for``); the command
+line hands in the session runs, which are the flow layer's.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
-from flowrl.backends.tinker.placement import Placement
+from flowrl.backends.placement import InProcess, OwnWorkers, Placement, SessionRuns, SharedTenant
 from flowrl.backends.tinker.routes import create_app
 from flowrl.backends.tinker.service import Limits, TinkerService
 from flowrl.infra import serving
@@ -78,6 +80,18 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         print("warning: --adapter-slots is deprecated; use --resident-adapters", file=sys.stderr)
         args.resident_adapters = args.adapter_slots
     return args
+
+
+def placement_for(args: argparse.Namespace, session_runs: Callable[[], SessionRuns]) -> Placement:
+    """The placement ``--placement`` names: ``local`` → ``InProcess`` (``--resident-adapters``),
+    ``sessions`` → ``OwnWorkers`` (each model a run of the session flow holding one GPU slot,
+    submitted through ``session_runs()``), ``shared`` → ``SharedTenant`` (the settings' shared
+    worker)."""
+    if args.placement == "sessions":
+        return OwnWorkers(runs=session_runs(), gpus=1)
+    if args.placement == "shared":
+        return SharedTenant()
+    return InProcess(resident_adapters=args.resident_adapters)
 
 
 def check_keys(args: argparse.Namespace) -> dict[str, str]:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from flowrl.backends.placement import InProcess, Placement
 from flowrl.backends.tinker.checkpoints import (
     KINDS,
     NAME_PATTERN,
@@ -28,7 +29,7 @@ from flowrl.backends.tinker.checkpoints import (
     run_folder,
     tinker_prefix,
 )
-from flowrl.backends.tinker.placement import LocalPlacement, ModelHandle, Placement
+from flowrl.backends.tinker.handles import ModelHandle
 from flowrl.backends.tinker.types import (
     SampleParams,
     check_batch,
@@ -128,8 +129,8 @@ class TinkerService:
         settings = get_settings()
         self.placement = placement
         if sampler_placement is None:  # in this process; sharing the models' bases if they are
-            in_process = getattr(placement, "in_process", False)
-            sampler_placement = placement if in_process else LocalPlacement()
+            in_process = isinstance(placement, InProcess)
+            sampler_placement = placement if in_process else InProcess()
         self.sampler_placement = sampler_placement
         self.catalogue = dict(catalogue if catalogue is not None else settings.tinker_models)
         self.keys = Keys(keys)
@@ -309,7 +310,7 @@ class TinkerService:
 
         def start() -> dict:
             try:
-                model.handle = self.placement.start(spec)
+                model.handle = self.placement.start_model(spec)
             except BaseException as e:
                 model.ended = f"it did not start: {type(e).__name__}: {e}"[:500]  # slot freed
                 raise
@@ -449,7 +450,7 @@ class TinkerService:
                 }
 
                 def start() -> None:
-                    model.handle = self.sampler_placement.start(spec)
+                    model.handle = self.sampler_placement.start_model(spec)
 
                 model.worker.submit(start)
         return model
