@@ -14,10 +14,9 @@ import io
 import json
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from peft import LoraConfig, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 from transformers import LogitsProcessor
@@ -39,6 +38,9 @@ from flowrl.backends.model_uri import resolve_model_uri
 from flowrl.backends.precision import compute_dtype, forward_autocast
 from flowrl.backends.types import Datum, WorkerSpec
 from flowrl.backends.vlm import ImageInputs, vision_inputs
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 
 def write_lora_export(
@@ -67,6 +69,8 @@ def load_policy_model(
     path = resolve_model_uri(spec.model_uri, spec.cache_dir)
     model = load_causal_lm(path, dtype)
     if spec.lora.enabled:
+        from peft import get_peft_model  # imported by LoRA workers only (~0.5 s at start)
+
         # Same seed in sampler and trainer: both start from identical adapter weights.
         torch.manual_seed(spec.seed)
         model = get_peft_model(model, lora_config(spec))
@@ -74,6 +78,8 @@ def load_policy_model(
 
 
 def lora_config(spec: WorkerSpec) -> LoraConfig:
+    from peft import LoraConfig
+
     return LoraConfig(
         r=spec.lora.r,
         lora_alpha=spec.lora.alpha,
@@ -88,7 +94,12 @@ def _trainable_state(
 ) -> dict[str, torch.Tensor]:
     """Detached CPU copies (tied weights become separate tensors, as safetensors requires);
     with LoRA the adapter named ``adapter``, its keys without the name."""
-    state = get_peft_model_state_dict(model, adapter_name=adapter) if lora else model.state_dict()
+    if lora:
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(model, adapter_name=adapter)
+    else:
+        state = model.state_dict()
     return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
 
 
@@ -96,6 +107,8 @@ def _load_trainable_state(
     model: torch.nn.Module, state: dict[str, torch.Tensor], lora: bool, adapter: str = "default"
 ) -> None:
     if lora:
+        from peft import set_peft_model_state_dict
+
         set_peft_model_state_dict(model, state, adapter_name=adapter)
     else:
         model.load_state_dict(state, strict=False)
@@ -751,6 +764,8 @@ class TorchTrainer:
 
     def _merged_copy(self) -> torch.nn.Module:
         """A plain model with the adapter merged in; the live adapter and RNG are untouched."""
+        from peft import get_peft_model, set_peft_model_state_dict
+
         with torch.random.fork_rng(devices=[]):  # the throwaway adapter init draws randoms
             copy = get_peft_model(load_causal_lm(self.model_path), lora_config(self.spec))
         set_peft_model_state_dict(copy, _trainable_state(self.model, True, self.adapter))

@@ -4,12 +4,21 @@ by side while a command imports the flow."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import importlib.util
 import logging
+import os
+import random
 import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -30,37 +39,102 @@ _early_ray: Future[bool] | None = None
 
 
 def start_engines() -> Callable[[], None]:
-    """Begin what a job run in this process connects to, each in a thread, so that they boot
-    side by side while the caller imports the flow's modules: Ray (``connect_ray``; the job's
-    runner then takes this Ray as the one it started, and stops it) and, where no Prefect API
-    is configured, Prefect's temporary server (the one its client would start at the flow's
-    first call, one after the other with the rest). Call it before importing a flow; call what
-    it returns before running the flow: it waits until both are up, and raises what failed.
-    The CLI's job commands do this (command to first step: see docs/benchmarks/cpu_tax.md)."""
+    """Begin what a job run in this process connects to, so that they boot side by side while
+    the caller imports the flow's modules: Ray (``connect_ray``, in a thread; the job's runner
+    then takes this Ray as the one it started, and stops it) and, where no Prefect API is
+    configured, Prefect's temporary server (the process its client would start at the flow's
+    first call, after everything else; ``_TemporaryPrefectAPI``). Call it before importing a
+    flow; call what it returns before running the flow: it opens the MLflow store meanwhile,
+    waits until both are up, and raises what failed. The CLI's job commands do this (command
+    to first step: docs/benchmarks/cpu_tax.md)."""
     global _early_ray
-    from prefect.settings import PREFECT_API_URL
-
     # Off the main thread ray.init leaves the SIGTERM handler alone (as it should here: the
     # command's own stays) and warns that it did.
     logging.getLogger("ray._private.worker").addFilter(_NoSigtermWarning())
+    api = None if os.environ.get("PREFECT_API_URL") else _TemporaryPrefectAPI()
     _early_ray = ray_started = Future()
     threading.Thread(target=_start_ray, args=(ray_started,), name="ray-start", daemon=True).start()
-    api: Future[None] = Future()
-    if PREFECT_API_URL.value():
-        api.set_result(None)
-    else:
-        from prefect.server.api.server import SubprocessASGIServer
-
-        starting = threading.Thread(
-            target=_run_into, args=(api, SubprocessASGIServer().start), name="prefect-api-start"
-        )
-        starting.start()
 
     def ready() -> None:
-        api.result()
+        from flowrl.infra import tracking
+
+        tracking.client()  # the MLflow store opens while the servers finish booting
+        if api is not None:
+            api.adopt()
         ray_started.result()  # raised again where the runner takes it
 
     return ready
+
+
+class _TemporaryPrefectAPI:
+    """Prefect's temporary API server (``prefect.server.api.server.SubprocessASGIServer``),
+    its process started at once, before this process has imported Prefect's server modules
+    (~2 s), with the command line and environment Prefect gives it; ``adopt`` waits until it
+    answers and hands it to Prefect, whose client then uses it (and stops it at exit) as the
+    one it would have started."""
+
+    def __init__(self) -> None:
+        self.port, self.process = self._launch()
+        atexit.register(self._stop)  # a command that ends before ``adopt`` leaves no server
+
+    def _stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+    def _launch(self) -> tuple[int, subprocess.Popen]:
+        spec = importlib.util.find_spec("prefect")
+        assert spec is not None and spec.origin is not None
+        port = _free_port()
+        command = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(spec.origin).parents[1])]
+        command += ["--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1"]
+        command += ["--port", str(port), "--log-level", "error", "--lifespan", "on"]
+        env = os.environ | {
+            "PREFECT_UI_ENABLED": "0",
+            "PREFECT__SERVER_EPHEMERAL": "1",
+            "PREFECT__SERVER_FINAL": "1",
+        }
+        return port, subprocess.Popen(command, env=env)
+
+    def adopt(self, timeout_s: float = 120.0) -> None:
+        import httpx
+        from prefect.server.api.server import SubprocessASGIServer
+        from prefect.settings import PREFECT_API_URL
+
+        if PREFECT_API_URL.value():  # a Prefect profile names an API: the client uses that one
+            self._stop()
+            return
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.process.poll() == 3:  # uvicorn: the port was taken meanwhile
+                self.port, self.process = self._launch()
+            elif self.process.poll() is not None:
+                raise RuntimeError(f"Prefect's temporary API exited with {self.process.poll()}")
+            with contextlib.suppress(httpx.HTTPError):
+                url = f"http://127.0.0.1:{self.port}/api/health"
+                if httpx.get(url, timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                self.process.kill()
+                raise TimeoutError(f"Prefect's temporary API did not answer in {timeout_s} s")
+            time.sleep(0.1)
+        server = SubprocessASGIServer()
+        server.port, server.server_process, server.running = self.port, self.process, True
+        atexit.register(server.stop)
+
+
+def _free_port() -> int:
+    """A port on loopback that nothing listens on now (Prefect picks from 8000-8999)."""
+    for _ in range(50):
+        port = random.randrange(8000, 9000)
+        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+            with contextlib.suppress(OSError):
+                sock.bind(("127.0.0.1", port))
+                return port
+    raise RuntimeError("no free port on 127.0.0.1 between 8000 and 8999")
 
 
 def _start_ray(started: Future[bool]) -> None:

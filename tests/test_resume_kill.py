@@ -142,6 +142,51 @@ def test_a_terminated_run_leaves_nothing_running(tmp_path):
                 p.kill()
 
 
+def test_a_run_terminated_while_its_servers_start_leaves_nothing_running(tmp_path):
+    """`flowrl train` starts Ray and Prefect's API side by side while it imports the flow
+    (``flows.engines.start_engines``); SIGTERM in that window (the API's process is up, the
+    flow has not begun) ends the command with 143 and leaves none of them running."""
+    import psutil
+
+    drop = ("PREFECT_API_URL", "FLOWRL_PREFECT_API_URL", "RAY_ADDRESS", "MLFLOW_TRACKING_URI")
+    env = {k: v for k, v in os.environ.items() if k not in drop + ("FLOWRL_STORAGE_URL",)}
+    env |= {"FLOWRL_HOME": str(tmp_path / "home"), "PREFECT_HOME": str(tmp_path / "prefect")}
+    log = tmp_path / "run.log"
+    job = start_job("train", ARGS, env, log)
+    started: dict[int, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and job.poll() is None:
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(job.pid).children(recursive=True):
+                    started.setdefault(child.pid, child)
+            names = set()
+            for child in list(started.values()):
+                with contextlib.suppress(psutil.Error):
+                    names.add(" ".join(child.cmdline()))
+            if any("uvicorn" in n for n in names) and any("gcs_server" in n for n in names):
+                break
+            time.sleep(0.05)
+        assert "Beginning flow run" not in log.read_text(), "the flow began: too late"
+        job.send_signal(signal.SIGTERM)
+        assert job.wait(60) == 128 + signal.SIGTERM, log.read_text()[-3000:]
+        time.sleep(2)  # anything the dying threads still started shows up as a child by now
+        gone, alive = psutil.wait_procs(list(started.values()), timeout=30)
+        assert not alive, [(p.pid, p.name()) for p in alive]
+        leftovers = [
+            p.info["cmdline"]
+            for p in psutil.process_iter(["cmdline", "environ"])
+            if (p.info["environ"] or {}).get("PREFECT_HOME") == env["PREFECT_HOME"]
+        ]
+        assert not leftovers, leftovers
+    finally:
+        if job.poll() is None:
+            job.kill()
+        for p in started.values():
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
 def test_sigterm_mid_evaluation_exits_in_seconds_without_a_second_ray(tmp_path):
     """SIGTERM while the evaluation before RL waits on environment calls that hang (their
     deadline ten minutes away): `flowrl train` exits within 15 s with status 143, its MLflow
