@@ -11,7 +11,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -117,16 +117,11 @@ def test_a_terminated_run_leaves_nothing_running(tmp_path):
     latest = home / "storage" / "jobs" / "kill-job" / "checkpoints" / "LATEST.json"
     log = tmp_path / "run.log"
     job = start_job("train", ARGS, env, log)
-    started: dict[int, psutil.Process] = {}
     commands: set[str] = set()
-    try:
+    with job_tree(job) as started:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and job.poll() is None and not latest.exists():
-            with contextlib.suppress(psutil.Error):
-                for child in psutil.Process(job.pid).children(recursive=True):
-                    if child.pid not in started:
-                        started[child.pid] = child
-                        commands.add(" ".join(child.cmdline()))
+            commands = collect_children(job, started)
             time.sleep(0.2)
         assert latest.exists(), log.read_text()[-3000:]
         assert any("raylet" in c for c in commands) and any("uvicorn" in c for c in commands)
@@ -134,12 +129,6 @@ def test_a_terminated_run_leaves_nothing_running(tmp_path):
         assert job.wait(120) == 128 + signal.SIGTERM, log.read_text()[-3000:]
         gone, alive = psutil.wait_procs(list(started.values()), timeout=30)
         assert not alive, [(p.pid, p.name()) for p in alive]
-    finally:
-        if job.poll() is None:
-            job.kill()
-        for p in started.values():
-            with contextlib.suppress(psutil.Error):
-                p.kill()
 
 
 def test_a_run_terminated_while_its_servers_start_leaves_nothing_running(tmp_path):
@@ -153,17 +142,10 @@ def test_a_run_terminated_while_its_servers_start_leaves_nothing_running(tmp_pat
     env |= {"FLOWRL_HOME": str(tmp_path / "home"), "PREFECT_HOME": str(tmp_path / "prefect")}
     log = tmp_path / "run.log"
     job = start_job("train", ARGS, env, log)
-    started: dict[int, psutil.Process] = {}
-    try:
+    with job_tree(job) as started:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and job.poll() is None:
-            with contextlib.suppress(psutil.Error):
-                for child in psutil.Process(job.pid).children(recursive=True):
-                    started.setdefault(child.pid, child)
-            names = set()
-            for child in list(started.values()):
-                with contextlib.suppress(psutil.Error):
-                    names.add(" ".join(child.cmdline()))
+            names = collect_children(job, started)
             if any("uvicorn" in n for n in names) and any("gcs_server" in n for n in names):
                 break
             time.sleep(0.05)
@@ -179,12 +161,38 @@ def test_a_run_terminated_while_its_servers_start_leaves_nothing_running(tmp_pat
             if (p.info["environ"] or {}).get("PREFECT_HOME") == env["PREFECT_HOME"]
         ]
         assert not leftovers, leftovers
+
+
+@contextlib.contextmanager
+def job_tree(job: subprocess.Popen) -> Iterator[dict]:
+    """The processes ``job`` started that the test has seen (``collect_children``): whatever
+    of them, and the job, still runs at the end is killed."""
+    import psutil
+
+    started: dict[int, psutil.Process] = {}
+    try:
+        yield started
     finally:
         if job.poll() is None:
             job.kill()
         for p in started.values():
             with contextlib.suppress(psutil.Error):
                 p.kill()
+
+
+def collect_children(job: subprocess.Popen, started: dict) -> set[str]:
+    """Add ``job``'s descendants to ``started`` (pid → process); the command lines of all
+    seen so far."""
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        for child in psutil.Process(job.pid).children(recursive=True):
+            started.setdefault(child.pid, child)
+    commands = set()
+    for child in list(started.values()):
+        with contextlib.suppress(psutil.Error):
+            commands.add(" ".join(child.cmdline()))
+    return commands
 
 
 def test_sigterm_mid_evaluation_exits_in_seconds_without_a_second_ray(tmp_path):
