@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import socket
 import tarfile
 import tempfile
 from collections.abc import Iterator
@@ -25,14 +24,9 @@ import torch
 
 from flowrl.backends.hf_workers import TorchTrainer, _trainable_state
 from flowrl.backends.types import WorkerSpec
+from flowrl.infra.servers import free_port
 
 CHECKPOINT_TAG = "flowrl"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def init_single_process_group(backend: str) -> None:
@@ -45,7 +39,7 @@ def init_single_process_group(backend: str) -> None:
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(name, value)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     if backend == "gloo":
         # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (a C++ build of a
         # minute or more) that only speeds up several ranks on one host: skip it on CPU.

@@ -9,9 +9,7 @@ import contextlib
 import importlib.util
 import logging
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +23,7 @@ import ray
 from ray._private import auto_init_hook
 
 from flowrl.infra.niceness import RAY_WORKER_NICENESS, yield_cpu_to_workers
+from flowrl.infra.servers import free_port
 from flowrl.infra.settings import RAY_NAMESPACE, get_settings
 
 LOCAL_RAY_SYSTEM_CONFIG = {
@@ -88,7 +87,7 @@ class _TemporaryPrefectAPI:
     def _launch(self) -> tuple[int, subprocess.Popen]:
         spec = importlib.util.find_spec("prefect")
         assert spec is not None and spec.origin is not None
-        port = _free_port()
+        port = free_port()
         command = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(spec.origin).parents[1])]
         command += ["--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1"]
         command += ["--port", str(port), "--log-level", "error", "--lifespan", "on"]
@@ -124,17 +123,6 @@ class _TemporaryPrefectAPI:
         server = SubprocessASGIServer()
         server.port, server.server_process, server.running = self.port, self.process, True
         atexit.register(server.stop)
-
-
-def _free_port() -> int:
-    """A port on loopback that nothing listens on now (Prefect picks from 8000-8999)."""
-    for _ in range(50):
-        port = random.randrange(8000, 9000)
-        with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
-            with contextlib.suppress(OSError):
-                sock.bind(("127.0.0.1", port))
-                return port
-    raise RuntimeError("no free port on 127.0.0.1 between 8000 and 8999")
 
 
 def _start_ray(started: Future[bool]) -> None:
