@@ -16,7 +16,7 @@ AdvantageEstimator = Callable[[Tensor, Tensor], Tensor]
 """``(rewards_N, group_ids_N) -> advantages_N``."""
 PolicyLoss = Callable[..., tuple[Tensor, dict[str, float]]]
 """``(logprobs_B_T, old_logprobs_B_T, advantages_B, mask_B_T, *, clip_eps, clip_eps_high,
-loss_agg) -> (loss, metrics)``: every loss takes the same options."""
+loss_agg, weights_B_T) -> (loss, metrics)``: every loss takes the same options."""
 _F = TypeVar("_F")
 
 
@@ -219,6 +219,48 @@ def _loss_metrics(
     }
 
 
+def _weighted(loss_B_T: Tensor, weights_B_T: Tensor | None) -> Tensor:
+    """``loss_B_T * sg(weights_B_T)``; ``None`` returns ``loss_B_T`` itself (bit-identical)."""
+    return loss_B_T if weights_B_T is None else loss_B_T * weights_B_T.detach()
+
+
+def truncated_is_weights(
+    trainer_old_B_T: Tensor, sampler_B_T: Tensor, mask_B_T: Tensor, cap: float
+) -> tuple[Tensor, dict[str, float]]:
+    """Truncated importance weights for the sampler/trainer mismatch (TIS, Yao et al. 2025,
+    "Your efficient RL framework secretly brings you off-policy RL training").
+
+    The sampling engine's log-probs differ from the trainer's for the same weights (kernels,
+    precision), so the tokens come from ``pi_sampler``, not from the trainer's ``pi_old``. TIS
+    takes the policy loss's ratio against the trainer's own ``pi_old`` and corrects the
+    sampling per token with ``w = min(exp(logp_trainer_old - logp_sampler), cap)``: the cap
+    bounds the variance, at the cost of a small bias on the tokens it truncates.
+
+    Args:
+        trainer_old_B_T: float ``[B, T]`` log-probs of the sampled tokens under the trainer's
+            policy before the update (no gradient).
+        sampler_B_T: float ``[B, T]`` the same tokens' log-probs reported by the sampler.
+        mask_B_T: ``[B, T]`` 1 for sampled tokens that have sampler log-probs.
+        cap: ``C > 1``, the truncation.
+
+    Returns:
+        ``(weights_B_T, metrics)``: float ``[B, T]`` weights, detached, 1 where the mask is 0;
+        floats ``tis_weight_mean`` (mean ``w``) and ``tis_clip_frac`` (share of tokens where
+        ``w`` was capped, i.e. ``exp(...) > C``), both over mask-1 tokens (0 with none).
+    """
+    if not cap > 1.0:
+        raise ValueError(f"truncated importance sampling needs cap > 1, got {cap}")
+    mask_B_T = mask_B_T.to(trainer_old_B_T.dtype)
+    raw_B_T = torch.exp(trainer_old_B_T.detach() - sampler_B_T.detach())
+    capped_B_T = raw_B_T > cap
+    weights_B_T = torch.where(mask_B_T > 0, raw_B_T.clamp(max=cap), torch.ones_like(raw_B_T))
+    metrics = {
+        "tis_weight_mean": float(token_mean(weights_B_T, mask_B_T)),
+        "tis_clip_frac": float(token_mean(capped_B_T.to(mask_B_T.dtype), mask_B_T)),
+    }
+    return weights_B_T, metrics
+
+
 def ppo_clip_loss(
     logprobs_B_T: Tensor,
     old_logprobs_B_T: Tensor,
@@ -227,6 +269,7 @@ def ppo_clip_loss(
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     loss_agg: str = "token-mean",
+    weights_B_T: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """Token-level PPO-clip loss (Schulman et al. 2017) with DAPO's asymmetric clip-higher.
 
@@ -245,6 +288,8 @@ def ppo_clip_loss(
         clip_eps: lower half-width of the trust region on the ratio.
         clip_eps_high: upper half-width (``None``: ``clip_eps``).
         loss_agg: a ``LOSS_AGGREGATIONS`` name; "token-mean" divides by the batch's token count.
+        weights_B_T: float ``[B, T]`` per-token factors on ``loss_t`` (no gradient), e.g.
+            ``truncated_is_weights``; ``None``: all ones.
 
     Returns:
         ``(loss, metrics)``: a scalar tensor, and floats ``clip_fraction`` (share of trainable
@@ -259,7 +304,7 @@ def ppo_clip_loss(
     ratio_B_T = torch.exp(logprobs_B_T - old_logprobs_B_T)
     unclipped_B_T = ratio_B_T * advantages_B_1
     clipped_B_T = torch.clamp(ratio_B_T, 1.0 - clip_eps, 1.0 + high) * advantages_B_1
-    loss_B_T = -torch.minimum(unclipped_B_T, clipped_B_T)
+    loss_B_T = _weighted(-torch.minimum(unclipped_B_T, clipped_B_T), weights_B_T)
     loss = _lookup(LOSS_AGGREGATIONS, loss_agg, "loss aggregation")(loss_B_T, mask_B_T)
     cut_B_T = clipped_B_T.detach() < unclipped_B_T.detach()
     return loss, _loss_metrics(ratio_B_T, logprobs_B_T, old_logprobs_B_T, cut_B_T, mask_B_T)
@@ -273,6 +318,7 @@ def cispo_loss(
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     loss_agg: str = "token-mean",
+    weights_B_T: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """CISPO (MiniMax-M1, 2025): REINFORCE with a truncated, detached importance weight.
 
@@ -291,7 +337,7 @@ def cispo_loss(
     advantages_B_1 = advantages_B.detach().to(logprobs_B_T.dtype).unsqueeze(-1)
     ratio_B_T = torch.exp(logprobs_B_T.detach() - old_logprobs_B_T)
     weight_B_T = ratio_B_T.clamp(max=1.0 + high)
-    loss_B_T = -weight_B_T * advantages_B_1 * logprobs_B_T
+    loss_B_T = _weighted(-weight_B_T * advantages_B_1 * logprobs_B_T, weights_B_T)
     loss = _lookup(LOSS_AGGREGATIONS, loss_agg, "loss aggregation")(loss_B_T, mask_B_T)
     capped_B_T = ratio_B_T > 1.0 + high
     return loss, _loss_metrics(ratio_B_T, logprobs_B_T, old_logprobs_B_T, capped_B_T, mask_B_T)
@@ -305,6 +351,7 @@ def gspo_loss(
     clip_eps: float = 3e-4,
     clip_eps_high: float | None = 4e-4,
     loss_agg: str = "seq-mean-token-mean",
+    weights_B_T: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, float]]:
     """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization"): PPO-clip on a
     sequence-level ratio ``s_b = exp(mean_t (logp - old_logp))`` over the row's mask-1 tokens.
@@ -314,7 +361,8 @@ def gspo_loss(
     gradient. ``loss_t = -min(s * A, clip(s, 1 - clip_eps, 1 + clip_eps_high) * A)``. The
     paper's clip range is tiny (3e-4 / 4e-4): a sequence ratio moves far less than a token's.
 
-    Args/Returns: as ``ppo_clip_loss``; the ratio metrics are of the sequence ratio.
+    Args/Returns: as ``ppo_clip_loss``; the ratio metrics are of the sequence ratio, and
+    ``weights_B_T`` scales each token's term (the sequence ratio itself is unweighted).
     """
     high = clip_eps if clip_eps_high is None else clip_eps_high
     mask_B_T = mask_B_T.to(logprobs_B_T.dtype)
@@ -326,7 +374,7 @@ def gspo_loss(
     ratio_B_T = torch.exp(log_ratio_B_T)
     unclipped_B_T = ratio_B_T * advantages_B_1
     clipped_B_T = torch.clamp(ratio_B_T, 1.0 - clip_eps, 1.0 + high) * advantages_B_1
-    loss_B_T = -torch.minimum(unclipped_B_T, clipped_B_T)
+    loss_B_T = _weighted(-torch.minimum(unclipped_B_T, clipped_B_T), weights_B_T)
     loss = _lookup(LOSS_AGGREGATIONS, loss_agg, "loss aggregation")(loss_B_T, mask_B_T)
     cut_B_T = clipped_B_T.detach() < unclipped_B_T.detach()
     return loss, _loss_metrics(ratio_B_T, logprobs_B_T, old_logprobs_B_T, cut_B_T, mask_B_T)

@@ -242,6 +242,13 @@ class AlgorithmSection(_Section, title="Algorithm"):
         default="token-mean",
         description="Loss aggregation: token-mean, seq-mean-token-sum, seq-mean-token-mean.",
     )
+    tis_cap: float | None = Field(
+        default=None,
+        gt=1,
+        description="Truncated importance sampling for sampler/trainer log-prob mismatch (Yao "
+        "et al. 2025): ratio against the trainer's own log-probs, each token weighted by "
+        "min(p_trainer / p_sampler, tis_cap); unset = off (ratio against the sampler's).",
+    )
     kl_coef: float = Field(
         default=0.0,
         ge=0,
@@ -283,6 +290,7 @@ class AlgorithmSection(_Section, title="Algorithm"):
             "clip_eps": self.clip_eps,
             "clip_eps_high": self.clip_eps_high,
             "loss_agg": self.loss_agg,
+            "tis_cap": self.tis_cap,
             "kl_coef": kl_coef,
             "kl_estimator": self.kl_estimator,
         }

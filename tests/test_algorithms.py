@@ -22,6 +22,7 @@ from flowrl.backends.algorithms import (
     reinforce_pp_advantages,
     rloo_advantages,
     token_logprobs,
+    truncated_is_weights,
 )
 
 torch.set_num_threads(1)
@@ -349,3 +350,70 @@ def test_every_loss_at_the_old_policy_pushes_up_positive_advantages(name):
     loss, _ = get_policy_loss(name)(new, old, advantages, mask, clip_eps=0.2, loss_agg="token-mean")
     loss.backward()
     assert close(new.grad, [[-0.2, -0.2, -0.2], [0.4, 0.4, 0.0]], tol=1e-6)
+
+
+# --- truncated importance sampling ------------------------------------------------------------
+
+
+def test_truncated_is_weights_match_hand_values():
+    # w = min(exp(trainer_old - sampler), 2) on mask-1 tokens, 1 elsewhere:
+    #   (0,0) exp(ln 1.5) = 1.5 (uncapped); (0,1) exp(ln .5) = .5; (0,2) exp(ln 4) = 4 -> 2
+    #   (capped); (1,0) exp(0) = 1; (1,1) exp(ln 3) would be capped but is masked -> 1, not
+    #   counted; (1,2) exp(50) is masked -> 1.
+    # tis_weight_mean = (1.5 + .5 + 2 + 1) / 4 = 1.25; tis_clip_frac = 1 / 4 (only (0,2))
+    sampler = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -4.0, -60.0]])
+    ratios = torch.tensor([[1.5, 0.5, 4.0], [1.0, 3.0, 1.0]])
+    trainer_old = sampler + torch.log(ratios)
+    trainer_old[1, 2] = -10.0  # d = 50: exp(50) = 5.2e21, on a masked token
+    trainer_old.requires_grad_(True)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    weights, metrics = truncated_is_weights(trainer_old, sampler, mask, cap=2.0)
+    assert close(weights, [[1.5, 0.5, 2.0], [1.0, 1.0, 1.0]])
+    assert not weights.requires_grad  # a weight, never a path for the gradient
+    assert metrics == pytest.approx({"tis_weight_mean": 1.25, "tis_clip_frac": 0.25})
+    _, none = truncated_is_weights(trainer_old, sampler, torch.zeros(2, 3), cap=2.0)
+    assert none == {"tis_weight_mean": 0.0, "tis_clip_frac": 0.0}
+    with pytest.raises(ValueError, match="cap > 1"):
+        truncated_is_weights(trainer_old, sampler, mask, cap=1.0)
+
+
+def test_ppo_clip_with_weights_matches_hand_values():
+    # ratio 1 everywhere (new = old), A = [1, -2], mask [[1,1,1],[1,1,0]], token-mean over 5:
+    # loss = -sum(w * A) / 5 = -(1.5 + .5 + 2 + 1 * -2 + .25 * -2) / 5 = -1.5 / 5 = -.3
+    # (the masked (1,2) weight 9 counts for nothing); d loss / d logp = -w * A / 5:
+    #   [[-.3, -.1, -.4], [+.4, +.1, 0]]; the weights get no gradient.
+    _, old, advantages, mask = _hand_batch()
+    new = old.clone().requires_grad_(True)
+    weights = torch.tensor([[1.5, 0.5, 2.0], [1.0, 0.25, 9.0]], requires_grad=True)
+    loss, metrics = ppo_clip_loss(new, old, advantages, mask, weights_B_T=weights)
+    assert loss.item() == pytest.approx(-0.3, abs=1e-6)
+    assert metrics == pytest.approx({"clip_fraction": 0.0, "approx_kl": 0.0, "ratio_mean": 1.0})
+    loss.backward()
+    assert close(new.grad, [[-0.3, -0.1, -0.4], [0.4, 0.1, 0.0]], tol=1e-6)
+    assert weights.grad is None
+
+
+@pytest.mark.parametrize("name", sorted(POLICY_LOSSES))
+def test_every_loss_scales_with_its_token_weights_and_none_changes_nothing(name):
+    # weights None: the very same loss as without the argument (bit for bit); uniform
+    # weights 2: every term doubles, so with token-mean the loss and its gradient double.
+    new, old, advantages, mask = _hand_batch()
+    loss_fn = get_policy_loss(name)
+    plain, _ = loss_fn(new, old, advantages, mask, clip_eps=0.2, loss_agg="token-mean")
+    unweighted, _ = loss_fn(
+        new, old, advantages, mask, clip_eps=0.2, loss_agg="token-mean", weights_B_T=None
+    )
+    assert torch.equal(plain, unweighted)
+    (grad_plain,) = torch.autograd.grad(plain, new)
+    doubled, _ = loss_fn(
+        new,
+        old,
+        advantages,
+        mask,
+        clip_eps=0.2,
+        loss_agg="token-mean",
+        weights_B_T=torch.full((2, 3), 2.0),
+    )
+    (grad_doubled,) = torch.autograd.grad(doubled, new)
+    assert doubled.item() == pytest.approx(2 * plain.item(), abs=1e-6)
+    assert torch.allclose(grad_doubled, 2 * grad_plain, atol=1e-6)

@@ -39,6 +39,7 @@ CASES: list[dict[str, Any]] = [
     {"algorithm": {"kl_coef": 0.1, "kl_estimator": "k3"}, "model": {"lora": {"enabled": True}}},
     {"algorithm": {"kl_coef": 0.1, "kl_estimator": "k2"}},  # full: a frozen reference copy
     {"algorithm": {"kl_coef": 0.1, "kl_estimator": "k1", "kl_in": "reward"}},
+    {"algorithm": {"tis_cap": 2.0}},  # truncated importance sampling (Yao et al. 2025)
 ]
 
 
@@ -121,6 +122,11 @@ def test_each_algorithm_trains_by_config_change(overrides, warm_model, ctx):
         if cfg.algorithm.kl_coef > 0:
             assert stats["train/kl_ref"] >= 0.0 or cfg.algorithm.kl_estimator == "k1"
             assert "train/kl_ref" in stats
+        if cfg.algorithm.tis_cap is not None:  # float32 sampler and trainer: w about 1
+            assert stats["train/tis_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+            assert stats["train/tis_clip_frac"] == 0.0
+        else:
+            assert "train/tis_weight_mean" not in stats
         # Every record a step wrote (kl_in: reward's rewards too) is gone after its update.
         storage, steps = Storage(job.storage_url), f"{job.prefix}/steps"
         left = storage.sizes(steps) if storage.exists(steps) else {}

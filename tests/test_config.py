@@ -65,6 +65,8 @@ def test_overrides_are_typed_and_nested():
         (["rollout.unfinished_turn_reward=-inf"], "rollout.unfinished_turn_reward"),
         (["algorithm.max_grad_norm=inf"], "algorithm.max_grad_norm"),  # no float is inf or nan
         (["algorithm.clip_eps_high=nan"], "algorithm.clip_eps_high"),
+        (["algorithm.tis_cap=1"], "algorithm.tis_cap"),  # a cap of 1 or less weights nothing up
+        (["algorithm.tis_cap=0.5"], "algorithm.tis_cap"),
         (["env.name=gomoku", "env.params.win_reward=inf"], "env.params.win_reward"),
         (["env.name=tool_math", "env.params.format_reward=nan"], "env.params.format_reward"),
     ],
@@ -73,6 +75,13 @@ def test_bad_values_name_the_field(overrides, named):
     with pytest.raises(ConfigError) as err:
         load_job(None, overrides)
     assert named in str(err.value)
+
+
+def test_tis_cap_is_off_by_default_reaches_the_loss_config_and_must_exceed_one():
+    assert load_job(None).algorithm.loss_config()["tis_cap"] is None
+    assert load_job(None, ["algorithm.tis_cap=2"]).algorithm.loss_config()["tis_cap"] == 2.0
+    with pytest.raises(ConfigError, match=r"algorithm\.tis_cap.*greater than 1"):
+        load_job(None, ["algorithm.tis_cap=1.0"])
 
 
 def test_missing_file_and_malformed_override():

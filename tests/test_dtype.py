@@ -10,6 +10,8 @@ along the way; on the tiny model their log-probs differed by at most 4e-3 when m
 
 from __future__ import annotations
 
+import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -108,6 +110,32 @@ def test_workers_sample_sync_and_update_in_each_precision(
     # after the sync, the trainer's logged mismatch on fresh samples stays small
     data = as_data(prompts, sampler.sample(prompts, 12, 1.0, seed=6))
     assert trainer.forward_backward(data, "ppo_clip")["mismatch_kl"] < MISMATCH_KL_BOUND[dtype]
+
+
+def test_truncated_is_weights_the_bf16_samplers_tokens_by_the_trainers_own_logprobs(
+    model_dir, prompts, tmp_path
+):
+    """With ``tis_cap`` the ratio is against the trainer's own log-probs (so 1 before the step)
+    and each token weighs ``w = min(p_trainer / p_sampler, cap)``: with every advantage 1 the
+    PPO-clip loss is ``-mean(w)``, which the trainer's recomputed log-probs give by hand."""
+    spec = WorkerSpec(model_uri=model_dir, cache_dir=str(tmp_path), device="cpu")
+    sampler = HFSampler(spec.model_copy(update={"dtype": "bfloat16"}))
+    trainer = TorchTrainer(spec)  # float32: a precision mismatch, as with a bf16 engine
+    data = as_data(prompts, sampler.sample(prompts, 12, 1.0, seed=0))
+    expected_w = [
+        min(math.exp(t - s), 1.002)
+        for d, row in zip(data, trainer.compute_logprobs(data), strict=True)
+        for t, s, m in zip(row, d.old_logprobs, d.loss_mask, strict=True)
+        if m
+    ]
+    metrics = trainer.forward_backward(data, "ppo_clip", {"tis_cap": 1.002})
+    assert metrics["ratio_mean"] == 1.0 and metrics["clip_fraction"] == 0.0
+    assert metrics["tis_weight_mean"] == pytest.approx(statistics.mean(expected_w), abs=1e-5)
+    assert metrics["loss"] == pytest.approx(-metrics["tis_weight_mean"], abs=1e-6)
+    capped = sum(w == 1.002 for w in expected_w) / len(expected_w)
+    assert 0.0 < metrics["tis_clip_frac"] == pytest.approx(capped, abs=0.05)
+    assert metrics["tis_weight_mean"] != 1.0  # the weights did correct something
+    assert "tis_weight_mean" not in trainer.forward_backward(data, "ppo_clip")  # off by default
 
 
 def test_no_mismatch_kl_without_the_samplers_logprobs(model_dir, prompts, tmp_path):
