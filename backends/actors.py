@@ -48,6 +48,24 @@ holds no torch models, PEFT or DeepSpeed, and only the machines that run vLLM or
 the packages."""
 
 
+def backend_runtime_env(path: str) -> dict[str, Any]:
+    """What a backend's actor adds to its ``runtime_env``: the interpreter of vLLM's own venv
+    (``Settings.vllm_python``) for the vLLM sampler, whose pins cannot share flowrl's venv;
+    nothing for the others. Raises ``ValueError`` saying how to install it when a local Ray
+    would not find that interpreter (a cluster's nodes are checked by Ray)."""
+    if path != SAMPLER_BACKENDS["vllm"]:
+        return {}
+    settings = get_settings()
+    python = settings.resolved_vllm_python
+    if settings.ray_address is None and not python.exists():
+        raise ValueError(
+            f"resources.sampler_backend vllm: no vLLM venv at {python.parent.parent} (run "
+            "`make setup-vllm`, or set FLOWRL_VLLM_PYTHON to a venv's python that has vLLM, "
+            "ray and flowrl)"
+        )
+    return {"py_executable": str(python)}
+
+
 def backend_class(path: str) -> type:
     """The worker class a ``module:Class`` path names (imported now)."""
     module, _, name = path.partition(":")
@@ -399,7 +417,10 @@ class SplitPolicy(PolicyRef):
                 scheduling_strategy="SPREAD"
                 if worker is SamplerWorker and samplers > 1
                 else "DEFAULT",
-                runtime_env={"env_vars": _worker_env(specs[role].torch_threads)},
+                runtime_env={
+                    "env_vars": _worker_env(specs[role].torch_threads),
+                    **backend_runtime_env(paths[role]),
+                },
                 **options,
             )
             .remote(paths[role], specs[role])

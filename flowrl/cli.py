@@ -228,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         model, env = config.model, getattr(config, "env", None)
         task = env.task(config.seed) if env is not None and args.command == "train" else None
         check_chat_template(model.source, model.chat_format, model.tool_messages, task)
+        resources = getattr(config, "resources", None)
+        if resources is not None and resources.sampler_backend != "hf":
+            from flowrl.backends.actors import SAMPLER_BACKENDS, backend_runtime_env
+
+            backend_runtime_env(SAMPLER_BACKENDS[resources.sampler_backend])
     except ValueError as err:
         print(f"flowrl: {err}", file=sys.stderr)
         return 2

@@ -133,6 +133,18 @@ class Settings(BaseSettings):
         "models:/name@alias, or 'tiny' (the default tiny model, built offline). JSON in "
         "FLOWRL_TINKER_MODELS.",
     )
+    vllm_python: Path | None = Field(
+        default=None,
+        description="Python of the venv that holds vLLM (`make setup-vllm`): a vLLM sampler's "
+        "Ray actor runs on it, so vLLM's pins never meet flowrl's. Unset = .venv-vllm/bin/python "
+        "in flowrl's checkout. On a cluster: that venv's path on every node.",
+    )
+    vllm_cpu_kv_cache_mb: int = Field(
+        default=512,
+        ge=16,
+        description="KV cache of a vLLM engine on CPU, in MB (vLLM's own default reserves most "
+        "of the machine's memory).",
+    )
     config_dir: Path | None = Field(
         default=None,
         description="The user's flowrl folder: holds the pointer to the running local stack "
@@ -150,6 +162,12 @@ class Settings(BaseSettings):
             return self.config_dir.expanduser().resolve()
         base = os.environ.get("XDG_CONFIG_HOME") or "~/.config"
         return (Path(base).expanduser() / "flowrl").resolve()
+
+    @property
+    def resolved_vllm_python(self) -> Path:
+        if self.vllm_python is not None:
+            return self.vllm_python.expanduser()
+        return Path(__file__).resolve().parent.parent / ".venv-vllm" / "bin" / "python"
 
     @property
     def tracking_uri(self) -> str:

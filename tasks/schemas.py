@@ -355,7 +355,10 @@ class ScheduleSection(_Section, title="Schedule"):
 
 class ResourcesSection(_Section, title="Resources"):
     sampler_backend: Literal["hf", "vllm"] = Field(
-        default="hf", description="Sampler backend: hf (generate), vllm (GPU)."
+        default="hf",
+        description="Sampler engine: hf (transformers' generate, in flowrl's venv) or vllm "
+        "(vLLM in a venv of its own, `make setup-vllm`; CPU or CUDA): the sampler of "
+        "rollouts, evaluations and batch inference.",
     )
     trainer_backend: Literal["torch", "deepspeed", "deepspeed_zero3"] = Field(
         default="torch", description="Trainer backend: torch, deepspeed (ZeRO-2), deepspeed_zero3."
@@ -412,6 +415,15 @@ class ResourcesSection(_Section, title="Resources"):
         if self.colocate and self.samplers > 1:
             raise ValueError(
                 f"resources.colocate needs one sampler (resources.samplers={self.samplers})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_in_a_process_of_its_own(self) -> ResourcesSection:
+        if self.sampler_backend == "vllm" and self.colocate:
+            raise ValueError(
+                "resources.colocate with sampler_backend vllm: the vLLM engine runs in a "
+                "process (and venv) of its own, apart from the trainer; leave colocate unset"
             )
         return self
 

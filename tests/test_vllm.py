@@ -1,0 +1,135 @@
+"""The vLLM sampler (``resources.sampler_backend: vllm``) on this machine's CPU, in the venv
+``make setup-vllm`` builds: one policy of the tiny model (a vLLM sampler actor and a torch
+trainer) is shared by the module, since an engine takes seconds to start. Weight sync each
+step, full and LoRA: after a sync the engine's greedy tokens are the trainer's; its log-probs
+agree with the trainer's recomputation; a bad prompt fails its call and the engine serves on.
+
+Without the vLLM venv the module skips, saying what to install, except under CI, where
+``make test`` installs it and a missing engine is a failure."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+from flowrl.backends.actors import (
+    SAMPLER_BACKENDS,
+    backend_runtime_env,
+    sampler,
+    start_policy,
+    stop_policy,
+    sync_weights,
+    trainer,
+)
+from flowrl.backends.types import Datum, LoraSettings, WorkerSpec
+from flowrl.infra.settings import get_settings
+
+_names = itertools.count()
+
+
+def _vllm_venv_or_skip() -> None:
+    python = get_settings().resolved_vllm_python
+    if python.exists():
+        return
+    message = f"no vLLM venv at {python} (make setup-vllm)"
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+@pytest.fixture(scope="module")
+def policy_of(model_dir: str, tmp_path_factory: pytest.TempPathFactory, ray_local: None):
+    """``policy_of(lora)``: a vLLM sampler and a torch trainer of the tiny model, started once
+    per module and LoRA setting."""
+    _vllm_venv_or_skip()
+    refs: dict[bool, object] = {}
+    cache = str(tmp_path_factory.mktemp("vllm-cache"))
+
+    def _policy(lora: bool):
+        if lora not in refs:
+            spec = WorkerSpec(
+                model_uri=model_dir,
+                cache_dir=cache,
+                seed=0,
+                learning_rate=1e-2,
+                lora=LoraSettings(enabled=lora, r=8, alpha=16),
+            )
+            name = f"test-vllm-{next(_names)}"
+            refs[lora] = (start_policy(name, spec, sampler_backend="vllm"), spec)
+        return refs[lora]
+
+    yield _policy
+    for ref, _ in refs.values():
+        stop_policy(ref)
+
+
+def _data(prompts: list[list[int]], results, advantages: list[float]) -> list[Datum]:
+    return [
+        Datum(p + r.tokens, [0] * len(p) + [1] * len(r.tokens), a, [0.0] * len(p) + r.logprobs)
+        for p, r, a in zip(prompts, results, advantages, strict=True)
+    ]
+
+
+def _trainer_greedy(ref, spec: WorkerSpec, prompts: list[list[int]], length: int):
+    """The trainer's greedy tokens: its weights in an ``HFSampler`` of this process."""
+    from flowrl.backends.hf_workers import HFSampler
+
+    local = HFSampler(spec)
+    local.set_weights(trainer(ref).get_weights())
+    return [r.tokens for r in local.sample(prompts, length, 0.0)]
+
+
+def _prompts16(prompts: list[list[int]]) -> list[list[int]]:
+    return [p + [5 + i] for i in range(6) for p in prompts][:16]
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_after_each_sync_the_engine_samples_what_the_trainer_holds(policy_of, prompts, lora):
+    """Three updates, each followed by a sync without restarting the engine: after each, the
+    engine's greedy tokens of 16 prompts are the trainer's, and the log-probs vLLM reports
+    for them are the trainer's recomputation (fp32, within 1e-3); the greedy tokens moved
+    away from the pre-update ones (the weights really changed in the engine)."""
+    ref, spec = policy_of(lora)
+    batch = _prompts16(prompts)
+    before = [r.tokens for r in sampler(ref).sample(batch, 8, 0.0)]
+    moved = False
+    for step in range(3):
+        results = sampler(ref).sample(batch, 8, 1.0, seed=step)
+        advantages = [1.0 if i % 2 else -1.0 for i in range(len(batch))]
+        trainer(ref).forward_backward(_data(batch, results, advantages), "ppo_clip")
+        trainer(ref).optim_step()
+        assert sync_weights(ref) == step + 1
+        greedy = sampler(ref).sample(batch, 8, 0.0)
+        assert [r.tokens for r in greedy] == _trainer_greedy(ref, spec, batch, 8)
+        rows = trainer(ref).compute_logprobs(_data(batch, greedy, [0.0] * len(batch)), 1.0)
+        for p, r, row in zip(batch, greedy, rows, strict=True):
+            assert row[len(p) :] == pytest.approx(r.logprobs, abs=1e-3)
+        moved = moved or [r.tokens for r in greedy] != before
+    assert moved
+
+
+def test_a_bad_prompt_fails_its_call_and_the_engine_serves_on(policy_of, prompts):
+    ref, _ = policy_of(False)
+    with pytest.raises(Exception, match="outside the vocabulary"):
+        sampler(ref).sample([prompts[0] + [10**6]], 4, 1.0)
+    with pytest.raises(Exception, match="no room to sample"):
+        sampler(ref).sample([prompts[0] * 400], 4, 1.0)
+    assert len(sampler(ref).sample(prompts, 4, 1.0, seed=1)) == len(prompts)
+
+
+def test_seeded_calls_sample_the_same_tokens(policy_of, prompts):
+    ref, _ = policy_of(False)
+    first = sampler(ref).sample(prompts, 8, 1.0, seed=11)
+    again = sampler(ref).sample(prompts, 8, 1.0, seed=11)
+    other = sampler(ref).sample(prompts, 8, 1.0, seed=12)
+    assert [r.tokens for r in first] == [r.tokens for r in again]
+    assert [r.tokens for r in first] != [r.tokens for r in other]
+
+
+def test_a_missing_vllm_venv_is_named_before_anything_starts(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLOWRL_VLLM_PYTHON", str(tmp_path / "none" / "bin" / "python"))
+    monkeypatch.delenv("FLOWRL_RAY_ADDRESS", raising=False)
+    with pytest.raises(ValueError, match="make setup-vllm"):
+        backend_runtime_env(SAMPLER_BACKENDS["vllm"])
