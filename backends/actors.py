@@ -48,12 +48,42 @@ holds no torch models, PEFT or DeepSpeed, and only the machines that run vLLM or
 the packages."""
 
 
+VLLM_VENV_BACKENDS = (
+    SAMPLER_BACKENDS["vllm"],
+    "flowrl.backends.tinker.vllm_sampling:TinkerVLLMSampler",
+)
+"""Backends that import vLLM, so run on the interpreter of vLLM's venv."""
+
+
+def start_sampler_actor(name: str, path: str, spec: WorkerSpec, resources: ActorResources) -> Any:
+    """One ``SamplerWorker`` actor of the backend ``path`` (on vLLM's venv for a vLLM one),
+    named ``name`` in flowrl's namespace and owned by this process until ``ray.kill``; returns
+    its handle once it is built."""
+    handle = (
+        ray.remote(SamplerWorker)
+        .options(
+            name=name,
+            namespace=RAY_NAMESPACE,
+            num_cpus=resources.num_cpus,
+            num_gpus=resources.num_gpus,
+            max_concurrency=1,
+            runtime_env={
+                "env_vars": _worker_env(spec.torch_threads),
+                **backend_runtime_env(path),
+            },
+        )
+        .remote(path, spec)
+    )
+    ray.get(handle.__ray_ready__.remote())
+    return handle
+
+
 def backend_runtime_env(path: str) -> dict[str, Any]:
     """What a backend's actor adds to its ``runtime_env``: the interpreter of vLLM's own venv
     (``Settings.vllm_python``) for the vLLM sampler, whose pins cannot share flowrl's venv;
     nothing for the others. Raises ``ValueError`` saying how to install it when a local Ray
     would not find that interpreter (a cluster's nodes are checked by Ray)."""
-    if path != SAMPLER_BACKENDS["vllm"]:
+    if path not in VLLM_VENV_BACKENDS:
         return {}
     settings = get_settings()
     python = settings.resolved_vllm_python

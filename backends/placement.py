@@ -48,6 +48,7 @@ from flowrl.backends.actors import (
     pick_backend,
     role_specs,
     shared_worker_name,
+    start_sampler_actor,
 )
 from flowrl.backends.types import ModelTenancy, Precision, WorkerSpec
 from flowrl.infra.settings import RAY_NAMESPACE, get_settings
@@ -328,3 +329,43 @@ class SharedTenant(Placement):
 
     def _worker(self) -> SharedWorkerSettings:
         return self.worker or SharedWorkerSettings.from_settings()
+
+
+@dataclass(frozen=True)
+class VLLMEngines(Placement):
+    """The Tinker API's sampling models on vLLM (``flowrl serve tinker --sampler-engine
+    vllm``): each (base model, adapter shape) one vLLM engine in a Ray actor on vLLM's venv
+    (``backends.tinker.vllm_sampling``), which samples saved adapters by key. It holds
+    sampling models only: a training model's placement is another. ``cache_dir``: where base
+    models are resolved (None: the settings'). Ray: the settings' cluster, else a private
+    local one started here."""
+
+    cache_dir: str | None = None
+
+    kind: ClassVar[str] = "vllm-engines"
+
+    def start_model(self, spec: dict[str, Any]) -> ModelHandle:
+        from flowrl.backends.tinker.checkpoints import resolve_base_model
+        from flowrl.backends.tinker.handles import EngineHandle, connect_service_ray
+
+        if not ray.is_initialized():
+            if get_settings().ray_address is not None:
+                connect_service_ray()
+            else:
+                ray.init(
+                    address="local",
+                    include_dashboard=False,
+                    namespace=RAY_NAMESPACE,
+                    log_to_driver=False,
+                )
+        cache_dir = self.cache_dir or get_settings().model_cache_dir
+        worker = WorkerSpec(
+            model_uri=resolve_base_model(spec["base_uri"], cache_dir),
+            cache_dir=cache_dir,
+            lora=spec["lora"],
+            seed=spec["seed"] or 0,
+        )
+        worker = self.build.specs(worker)["sampler"]
+        path = "flowrl.backends.tinker.vllm_sampling:TinkerVLLMSampler"
+        name = f"tinker-vllm-{spec['model_id']}-{secrets.token_hex(3)}"
+        return EngineHandle(start_sampler_actor(name, path, worker, self.build.resources))

@@ -22,9 +22,9 @@ imports vLLM; only token ids, log-probs and the trainer's tensors cross between 
   which row gets which draw.
 - Weight sync, full parameters: the trainer's state dict is loaded in place (vLLM's
   ``reload_weights``: HF names onto its fused layers, then each layer's post-load processing)
-  and the prefix cache is dropped; no restart, no file. Ray runs one call of an actor at a time, so a sample never
-  sees a half-loaded model.
-- Weight sync, LoRA: the adapter is written as a PEFT folder ``adapter-v<version>`` and
+  and the prefix cache is dropped; no restart, no file. Ray runs one call of an actor at a
+  time, so a sample never sees a half-loaded model.
+- Weight sync, LoRA: the adapter is written as a PEFT folder ``policy-v<version>`` and
   sampled as ``LoRARequest(name, version + 1, path)``: vLLM loads a new adapter id without
   touching the base weights; the previous version is removed from the engine.
 - A prompt that holds a token id outside the vocabulary, or leaves no room for one sampled
@@ -80,7 +80,7 @@ class VLLMSampler:
             engine["enforce_eager"] = True  # no compilation: seconds to start, not minutes
             engine["kv_cache_memory_bytes"] = get_settings().vllm_cpu_kv_cache_mb * 2**20
         if spec.lora.enabled:
-            engine |= {"enable_lora": True, "max_lora_rank": spec.lora.r, "max_loras": 1}
+            engine |= {"enable_lora": True, "max_lora_rank": _lora_rank(spec.lora.r)}
         device = torch.device("cuda" if cuda else "cpu")
         self.llm = LLM(
             model=self.model_path,
@@ -178,9 +178,18 @@ class VLLMSampler:
         return version
 
     def _load_adapter(self, state: dict[str, torch.Tensor], version: int) -> None:
+        previous = self._lora_request
+        # vLLM caches adapters by integer id: a new id per version forces a fresh load.
+        self._lora_request = self.adapter_request(f"policy-v{version}", version + 1, state)
+        if previous is not None:
+            self.drop_adapter(previous)
+
+    def adapter_request(self, name: str, lora_id: int, state: dict[str, torch.Tensor]) -> Any:
+        """A LoRA adapter's tensors (PEFT's saved names, as ``get_peft_model_state_dict`` and
+        ``adapter.safetensors`` have them) as a folder vLLM loads, and its ``LoRARequest``."""
         from vllm.lora.request import LoRARequest
 
-        path = Path(self._adapter_root) / f"adapter-v{version}"
+        path = Path(self._adapter_root) / name
         path.mkdir(parents=True, exist_ok=True)
         lora = self.spec.lora
         config = {
@@ -194,14 +203,14 @@ class VLLMSampler:
             "base_model_name_or_path": self.model_path,
         }
         (path / "adapter_config.json").write_text(json.dumps(config))
-        # get_weights gives PEFT's saved names already (``get_peft_model_state_dict``)
-        save_file({k: v.contiguous() for k, v in state.items()}, path / "adapter_model.safetensors")
-        previous = self._lora_request
-        # vLLM caches adapters by integer id: a new id per version forces a fresh load.
-        self._lora_request = LoRARequest(f"policy-v{version}", version + 1, str(path))
-        if previous is not None:
-            self.llm.llm_engine.remove_lora(previous.lora_int_id)
-            shutil.rmtree(previous.lora_path, ignore_errors=True)
+        tensors = {k: v.contiguous() for k, v in state.items()}
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        return LoRARequest(name, lora_id, str(path))
+
+    def drop_adapter(self, request: Any) -> None:
+        """Remove an adapter from the engine and its folder from disk."""
+        self.llm.llm_engine.remove_lora(request.lora_int_id)
+        shutil.rmtree(request.lora_path, ignore_errors=True)
 
     def get_weights_version(self) -> int:
         return self.weights_version
@@ -211,3 +220,15 @@ class VLLMSampler:
         this sampler's weights (version 0): a LoRA version sampled on its base."""
         folder = Path(resolve_model_uri(model_uri, self.spec.cache_dir)) / LORA_EXPORT
         return self.set_weights((load_file(folder / "adapter.safetensors"), 0))
+
+
+_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _lora_rank(r: int) -> int:
+    """vLLM's ``max_lora_rank`` for adapters of rank ``r``: the smallest it offers that holds
+    them."""
+    for rank in _LORA_RANKS:
+        if rank >= r:
+            return rank
+    raise ValueError(f"LoRA rank {r} is above vLLM's largest, {_LORA_RANKS[-1]}")

@@ -226,3 +226,84 @@ def test_a_registered_version_runs_batch_inference_and_evaluation_on_vllm(traine
     (score,) = evaluation.scores[0]
     assert score.failed == 0
     assert score.greedy_accuracy == pytest.approx(result.accuracy_end)
+
+
+# ------------------------------------------------------------ the Tinker API's sampling
+
+
+def test_tinker_sdk_samples_saved_weights_on_vllm(ray_local, tmp_path, monkeypatch):
+    """``flowrl serve tinker --sampler-engine vllm``'s service, through the Tinker SDK: a LoRA
+    trained a few steps, saved with ``save_weights_for_sampler``, is sampled by the vLLM
+    engine; its log-probs of the greedy answer are the trainer's (fp32, within 1e-3) and not
+    the base model's; seeds repeat; a pathless snapshot is served as well; a prompt out of
+    the vocabulary is a 400 and the engine samples on."""
+    import numpy as np
+    import tinker
+    from services import TinkerServer
+    from tinker import types
+
+    from flowrl.backends.model_folder import load_tokenizer
+    from flowrl.backends.placement import InProcess, VLLMEngines
+    from flowrl.backends.tinker.checkpoints import resolve_base_model
+    from flowrl.backends.tinker.service import TinkerService
+
+    _vllm_venv_or_skip()
+    monkeypatch.setenv("FLOWRL_HOME", str(tmp_path))
+    key = "tml-alice-" + "a" * 24
+    service = TinkerService(InProcess(), keys={key: "alice"}, sampler_placement=VLLMEngines())
+    server = TinkerServer(service)
+    client = tinker.ServiceClient(base_url=server.url, api_key=key)
+    try:
+        tokenizer = load_tokenizer(resolve_base_model("tiny", str(tmp_path / "model-cache")))
+        tc = client.create_lora_training_client("flowrl/tiny", rank=4, seed=2).result()
+        lines = ["12+7=19", "3+4=7", "5+5=10", "21+13=34"]
+        data = []
+        for line in lines:
+            ids = tokenizer.encode(line)
+            data.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(ids[:-1]),
+                    loss_fn_inputs={"target_tokens": ids[1:], "weights": [1.0] * (len(ids) - 1)},
+                )
+            )
+        for _ in range(5):
+            tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        path = tc.save_weights_for_sampler("five").result().path
+        sampler = client.create_sampling_client(model_path=path).result()
+        base = client.create_sampling_client(base_model="flowrl/tiny").result()
+        prompt = tokenizer.encode("12+7=")
+        greedy = types.SamplingParams(max_tokens=4, temperature=0.0)
+        answer = sampler.sample(types.ModelInput.from_ints(prompt), 1, greedy).result()
+        tokens = answer.sequences[0].tokens
+        scored = tc.forward(
+            [
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(prompt + tokens[:-1]),
+                    loss_fn_inputs={"target_tokens": (prompt + tokens)[1:]},
+                )
+            ],
+            "cross_entropy",
+        ).result()
+        trainer_lp = scored.loss_fn_outputs[0]["logprobs"].to_numpy()[len(prompt) - 1 :]
+        np.testing.assert_allclose(answer.sequences[0].logprobs, trainer_lp, atol=1e-3)
+        from_base = base.sample(types.ModelInput.from_ints(prompt), 1, greedy).result()
+        assert from_base.sequences[0].logprobs != answer.sequences[0].logprobs
+
+        hot = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)
+        one = sampler.sample(types.ModelInput.from_ints(prompt), 4, hot).result()
+        again = sampler.sample(types.ModelInput.from_ints(prompt), 4, hot).result()
+        assert len(one.sequences) == 4
+        assert [s.tokens for s in one.sequences] == [s.tokens for s in again.sequences]
+
+        live = tc.save_weights_and_get_sampling_client().result()
+        same = live.sample(types.ModelInput.from_ints(prompt), 1, greedy).result()
+        assert same.sequences[0].tokens == tokens  # no step since the save: the same weights
+
+        with pytest.raises(tinker.BadRequestError, match="outside the vocabulary"):
+            sampler.sample(types.ModelInput.from_ints([10**6]), 1, greedy).result()
+        after = sampler.sample(types.ModelInput.from_ints(prompt), 1, greedy).result()
+        assert after.sequences[0].tokens == tokens
+    finally:
+        client.close("success").result()
+        server.stop()

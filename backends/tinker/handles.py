@@ -5,7 +5,8 @@ models and give these back:
 - ``LocalHandle``: a ``TinkerModel`` in the service's process (``InProcess``);
 - ``RayHandle``: a session flow run's Ray actor (``OwnWorkers``; ``backends.tinker.actor``);
 - ``SharedModelHandle``: a tenant of its base model's shared worker (``SharedTenant``;
-  ``backends.shared_worker``), next to ``rl-train`` jobs' adapters.
+  ``backends.shared_worker``), next to ``rl-train`` jobs' adapters;
+- ``EngineHandle``: a sampling model on a vLLM engine's actor (``VLLMEngines``).
 """
 
 from __future__ import annotations
@@ -83,6 +84,21 @@ class SharedModelHandle:
             pass
         finally:
             self._slot.close()
+
+
+class EngineHandle:
+    """The service's handle on a sampling model in a sampler actor (``VLLMEngines``: a vLLM
+    engine, ``backends.tinker.vllm_sampling``)."""
+
+    def __init__(self, actor: Any):
+        self.actor = actor
+        self.info = self.call("describe")
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return _answer(self.actor.call.remote(method, *args, **kwargs))
+
+    def close(self) -> None:
+        ray.kill(self.actor)
 
 
 def _answer(ref: Any) -> Any:

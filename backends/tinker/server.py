@@ -17,7 +17,14 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from flowrl.backends.placement import InProcess, OwnWorkers, Placement, SessionRuns, SharedTenant
+from flowrl.backends.placement import (
+    InProcess,
+    OwnWorkers,
+    Placement,
+    SessionRuns,
+    SharedTenant,
+    VLLMEngines,
+)
 from flowrl.backends.tinker.routes import create_app
 from flowrl.backends.tinker.service import Limits, TinkerService
 from flowrl.infra import serving
@@ -51,6 +58,15 @@ def command_parser() -> argparse.ArgumentParser:
         "Prefect and Ray; `flowrl stack up` starts the service so); shared: each training "
         "model an adapter on its base model's shared worker, the one rl-train jobs with "
         "resources.placement shared use (needs Prefect and Ray).",
+    )
+    parser.add_argument(
+        "--sampler-engine",
+        choices=["hf", "vllm"],
+        default="hf",
+        help="hf: sampling clients sample on the training models' workers (a saved path of "
+        "no live model on a sampling model of the service's); vllm: every sampling client "
+        "samples on a vLLM engine of its base model, in a Ray actor on vLLM's venv (`make "
+        "setup-vllm`; FLOWRL_VLLM_PYTHON), saved weights loaded as LoRA adapters.",
     )
     parser.add_argument(
         "--session-ttl",
@@ -94,6 +110,20 @@ def placement_for(args: argparse.Namespace, session_runs: Callable[[], SessionRu
     return InProcess(resident_adapters=args.resident_adapters)
 
 
+def sampler_placement_for(args: argparse.Namespace) -> Placement | None:
+    """Where sampling clients sample (``--sampler-engine``): ``VLLMEngines`` for vllm (its venv
+    checked now, before the service starts); None for hf, the service's default."""
+    if args.sampler_engine != "vllm":
+        return None
+    from flowrl.backends.actors import VLLM_VENV_BACKENDS, backend_runtime_env
+
+    try:
+        backend_runtime_env(VLLM_VENV_BACKENDS[1])
+    except ValueError as err:
+        raise SystemExit(f"flowrl serve tinker --sampler-engine vllm: {err}") from None
+    return VLLMEngines()
+
+
 def check_keys(args: argparse.Namespace) -> dict[str, str]:
     """The keys to serve, or ``SystemExit`` naming why the service may not start."""
     keys = read_keys(args.keys_file)
@@ -109,7 +139,9 @@ def run(args: argparse.Namespace, keys: dict[str, str], placement: Placement) ->
         max_requests_per_s=shared.max_requests_per_s,
         session_ttl_s=args.session_ttl,
     )
-    service = TinkerService(placement, keys=keys, limits=limits)
+    service = TinkerService(
+        placement, keys=keys, limits=limits, sampler_placement=sampler_placement_for(args)
+    )
     try:
         serve(create_app(service), args.host, args.port, keep_alive_s=30)
     finally:

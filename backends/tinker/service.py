@@ -110,6 +110,13 @@ class _Future:
     created: float = field(default_factory=time.monotonic)
 
 
+def _live(model: _Model) -> ModelHandle:
+    """The model's handle, or a 503 saying why it has none (its start failed)."""
+    if model.handle is None:
+        raise ServiceError(503, f"model {model.model_id} is not available ({model.ended})")
+    return model.handle
+
+
 def _now() -> str:
     return datetime.now(UTC).isoformat()
 
@@ -132,6 +139,9 @@ class TinkerService:
             in_process = isinstance(placement, InProcess)
             sampler_placement = placement if in_process else InProcess()
         self.sampler_placement = sampler_placement
+        # A sampling engine of its own (vLLM): every saved sampler weights, a live model's
+        # too, is sampled there, never by a training model's worker.
+        self.engine_samples = sampler_placement.kind == "vllm-engines"
         self.catalogue = dict(catalogue if catalogue is not None else settings.tinker_models)
         self.keys = Keys(keys)
         self.storage = Storage(storage_url or settings.storage_root)
@@ -450,7 +460,11 @@ class TinkerService:
                 }
 
                 def start() -> None:
-                    model.handle = self.sampler_placement.start_model(spec)
+                    try:
+                        model.handle = self.sampler_placement.start_model(spec)
+                    except Exception as err:
+                        model.ended = f"its start failed: {type(err).__name__}: {err}"[:500]
+                        raise
 
                 model.worker.submit(start)
         return model
@@ -474,12 +488,13 @@ class TinkerService:
         lora, seed = read_tinker_lora(record["lora"])
         with self.lock:
             live = self.models.get(run_id)
-        if live is not None and not live.ended and live.namespace == namespace:
+        serves = live is not None and not live.ended and live.namespace == namespace
+        if serves and not self.engine_samples:
             target = live
         else:
             target = self.sampler_pool_model(record["base_model"], lora, seed)
         data = self.storage.read_bytes(f"{folder}/adapter.safetensors")
-        target.worker.submit(lambda: target.handle.call("add_snapshot_bytes", path, data)).result()
+        target.worker.submit(lambda: _live(target).call("add_snapshot_bytes", path, data)).result()
         sampler = _Sampler(
             f"{session.session_id}:sample:{secrets.token_hex(4)}",
             namespace,
@@ -558,6 +573,8 @@ class TinkerService:
         with self.lock:
             model.snapshots += 1
             key = f"snapshot-{model.snapshots}"
+        if self.engine_samples:  # one engine samples every model's snapshots: keys of the model
+            key = f"{model.model_id}/{key}"
         sampler_id = self.add_sampler(
             namespace,
             session,
@@ -571,8 +588,18 @@ class TinkerService:
             ),
         )
 
+        if self.engine_samples:  # the adapter as it is now goes to the engine, by this key
+            pool = self.sampler_pool_model(model.base_model, model.lora, model.seed)
+            self.samplers[sampler_id].pool = pool
+
         def work(handle: ModelHandle) -> dict:
-            handle.call("snapshot", key)
+            if self.engine_samples:
+                data = handle.call("state_bytes", False)["adapter.safetensors"]
+                pool.worker.submit(
+                    lambda: _live(pool).call("add_snapshot_bytes", key, data)
+                ).result()
+            else:
+                handle.call("snapshot", key)
             return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
         return self.run_on(model, "save_weights_for_sampler", work), model.model_id
