@@ -1,7 +1,7 @@
 # flowrl — the two commands of the quickstart, plus helpers.
 #   make demo   set up what the demo needs, then train the default job on embedded defaults
-#   make test   set up what the tests need too (dev tools, the thin client venv, Chromium), then
-#               run the test suite
+#   make test   set up what the tests need too (dev tools, the thin client venv, vLLM's venv,
+#               Chromium), then run the test suite
 # Packages are installed by uv (resolves and installs the pinned set in seconds; pip took ~14 min
 # here), against constraints.txt, the lock of every package's version.
 VENV   ?= .venv

@@ -14,7 +14,9 @@ The kinds, each with what it starts for a job and for the Tinker API:
 
 - ``InProcess``: ``LocalPolicy``; a ``TinkerModel`` on this process's ``SharedBase``;
 - ``OwnWorkers``: ``SplitPolicy`` or ``ColocatedPolicy``; a ``tinker-session`` run's actor;
-- ``SharedTenant``: ``SharedPolicy``; an adapter on the base model's shared worker.
+- ``SharedTenant``: ``SharedPolicy``; an adapter on the base model's shared worker;
+- ``VLLMEngines``: no job policy; a Tinker sampling model on a vLLM engine's actor
+  (``--sampler-engine vllm``).
 
 How the workers are built (backends, threads, precision, what each asks the cluster for) is a
 ``WorkerBuild`` the placement holds. Callers never branch on the kind: what differs (the GPU

@@ -199,8 +199,11 @@ def measure_training(trainer: Any, data: list[Datum], steps: int) -> dict[str, f
 def measure_agreement(
     sampler: Any, trainer: Any, prompts: list[list[int]], new_tokens: int
 ) -> dict[str, float]:
-    """Weight sync, then sample and recompute: max |logp diff| and mismatch KL."""
+    """Weight sync, then sample and recompute: max |logp diff|, mismatch KL and the sync's
+    seconds (the trainer's weights out, loaded in place by the sampler)."""
+    start = time.perf_counter()
     sampler.set_weights(trainer.get_weights())
+    sync_s = time.perf_counter() - start
     results = sampler.sample(prompts, new_tokens, 1.0, seed=2)
     rows = trainer.compute_logprobs(as_data(prompts, results))
     sampled = torch.tensor([x for r in results for x in r.logprobs])
@@ -208,7 +211,8 @@ def measure_agreement(
         [x for p, row in zip(prompts, rows, strict=True) for x in row[len(p) :]]
     )
     kl = mismatch_kl(recomputed[None], sampled[None], torch.ones(1, len(sampled)))
-    return {"max_diff": float((sampled - recomputed).abs().max()), "kl": float(kl)}
+    max_diff = float((sampled - recomputed).abs().max())
+    return {"max_diff": max_diff, "kl": float(kl), "sync_s": sync_s}
 
 
 def peak_mib(device: torch.device) -> str:
@@ -271,12 +275,16 @@ def vllm_section(setup: Setup) -> list[str]:
 
     fresh_start(setup.device)
     spec = setup.spec("full", "bfloat16")
+    hf = measure_sampling(HFSampler(spec), setup.prompts, setup.new_tokens, setup.device)
+    fresh_start(setup.device)
     sampler, trainer = VLLMSampler(spec, gpu_memory_utilization=0.3), TorchTrainer(spec)
     s = measure_sampling(sampler, setup.prompts, setup.new_tokens, setup.device)
     a = measure_agreement(sampler, trainer, setup.prompts, setup.new_tokens)
-    header = ["sampler", "precision", "tokens/s", "time to first token (s)", "max abs logp diff"]
-    row = ["vLLM", "bfloat16", f"{s['sample_tok_s']:.0f}", f"{s['ttft']:.3f}"]
-    return table([*header, "mismatch KL"], [[*row, f"{a['max_diff']:.1e}", f"{a['kl']:.1e}"]])
+    header = ["sampler", "precision", "tokens/s", "x HF", "time to first token (s)"]
+    row = ["vLLM", "bfloat16", f"{s['sample_tok_s']:.0f}"]
+    row += [f"{s['sample_tok_s'] / hf['sample_tok_s']:.1f}", f"{s['ttft']:.3f}"]
+    row += [f"{a['sync_s']:.3f}", f"{a['max_diff']:.1e}", f"{a['kl']:.1e}"]
+    return table([*header, "weight sync (s)", "max abs logp diff", "mismatch KL"], [row])
 
 
 def environment(args: argparse.Namespace, model_dir: str) -> list[str]:
