@@ -93,6 +93,7 @@ class Result:
     tokens_per_call: int = 0
     mismatch_kl: float | None = None
     max_abs_diff: float | None = None
+    sync_s: list[float] = field(default_factory=list)
     error: str | None = None
 
 
@@ -172,7 +173,7 @@ def mismatch(ref: Any, prompts: list[list[int]], results: list[Any]) -> tuple[fl
 
 def measure(result: Result, folder: str, prompts: list[list[int]], repeats: int) -> None:
     """Start one policy of ``result``'s engine, fill in ``result``'s figures, stop it."""
-    from flowrl.backends.actors import sampler, start_policy, stop_policy
+    from flowrl.backends.actors import sampler, start_policy, stop_policy, sync_weights
     from flowrl.backends.types import WorkerSpec
 
     spec = WorkerSpec(
@@ -197,6 +198,10 @@ def measure(result: Result, folder: str, prompts: list[list[int]], repeats: int)
             result.call_s.append(time.perf_counter() - call_start)
         result.tokens_per_call = sum(len(r.tokens) for r in results)
         result.mismatch_kl, result.max_abs_diff = mismatch(ref, prompts, results)
+        for _ in range(3):  # the trainer's full weights into the engine, in place
+            sync_start = time.perf_counter()
+            sync_weights(ref)
+            result.sync_s.append(time.perf_counter() - sync_start)
     finally:
         stop_policy(ref)
 
@@ -241,12 +246,12 @@ def row(r: Result) -> str:
     head = f"| {r.size} | {r.params / 1e6:.2f}M | {r.engine} | {r.batch} × {r.new_tokens} |"
     if r.error is not None or not r.call_s:
         start = f" {r.start_s:.1f} |" if r.start_s is not None else " – |"
-        return head + start + f" failed: {r.error} | | | | | | |"
+        return head + start + f" failed: {r.error} | | | | | | | |"
     call = statistics.median(r.call_s)
     return head + (
         f" {r.start_s:.1f} | {r.first_sample_s:.1f} | {call:.2f} | {r.batch / call:.0f} | "
         f"{r.tokens_per_call / call:.0f} | {r.tokens_per_call / r.batch:.1f} | "
-        f"{r.mismatch_kl:.1e} | {r.max_abs_diff:.1e} |"
+        f"{r.mismatch_kl:.1e} | {r.max_abs_diff:.1e} | {statistics.median(r.sync_s):.3f} |"
     )
 
 
@@ -254,8 +259,8 @@ def table(results: list[Result]) -> str:
     rows = [
         "| size | parameters | engine | batch × new tokens | start_policy s | first sample s | "
         "s per call (median) | samples/s | sampled tokens/s | tokens/sample | "
-        "mismatch-KL per token | max \\|Δ log-prob\\| |",
-        "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
+        "mismatch-KL per token | max \\|Δ log-prob\\| | weight sync s |",
+        "|---|--:|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     return "\n".join(rows + [row(r) for r in results]) + "\n"
 
@@ -339,7 +344,8 @@ def report(results: list[Result], sizes: list[str], repeats: int, wall_s: float,
         "first sample: `start_policy` (actor processes, imports, weights, engine) + one "
         "1-prompt call. Mismatch-KL: `algorithms.mismatch_kl` (k3, mean over the sampled "
         "tokens) of the last timed call, the trainer's `compute_logprobs` against the "
-        "engine's log-probs",
+        "engine's log-probs. Weight sync: `sync_weights` (the trainer's full state dict "
+        "through Ray's object store, loaded in place; vLLM: `reload_weights`), median of 3",
     ]
     header = "# Sampler engines on CPU: HF generate vs vLLM\n\n"
     header += "\n".join(f"- {b}" for b in bullets) + "\n"

@@ -8,6 +8,7 @@
     flowrl jobs submit|status|list|cancel|wait|metrics|result ...
     flowrl serve tinker [--keys-file F | --insecure-loopback] [--placement local|sessions|shared]
     flowrl serve environments [--keys-file F | --insecure-loopback] [--env NAME ...]
+    flowrl serve openai [--keys-file F | --insecure-loopback]
     flowrl tinker models | tokenizer NAME --out DIR
 
 ``train`` validates the config before anything starts (a bad field fails at once, naming the
@@ -66,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
 SERVICES = {
     "tinker": "The Tinker API for the official tinker SDK (base_url=http://HOST:PORT).",
     "environments": "Environments over HTTP, for jobs with env.mode: http.",
+    "openai": "An OpenAI-compatible endpoint on registered versions, Tinker checkpoints and "
+    "base models (base_url=http://HOST:PORT/v1).",
 }
 """What ``flowrl serve NAME`` serves. Each takes the serving layer's flags (``--host``,
 ``--port``, ``--keys-file``, ``--insecure-loopback``, ``--max-body-bytes``,
@@ -76,7 +79,8 @@ def _add_serve_commands(sub) -> None:
     """``flowrl serve NAME``: listed here; its flags are the service's own (``_serve``)."""
     serve = sub.add_parser(
         "serve",
-        help="Serve an HTTP API: tinker (the Tinker API) or environments.",
+        help="Serve an HTTP API: tinker (the Tinker API), openai (OpenAI-compatible) or "
+        "environments.",
         description="flowrl serve NAME --help lists a service's flags.",
     )
     what = serve.add_subparsers(dest="service", required=True)
@@ -262,6 +266,8 @@ def _serve(name: str, argv: list[str]) -> int:
             from flowrl.environments.service import main as serve_environments
 
             serve_environments(argv)
+        elif name == "openai":
+            _serve_openai(argv)
         else:
             _serve_tinker(argv)
     except SystemExit as err:
@@ -306,6 +312,19 @@ def _serve_tinker(argv: list[str]) -> None:
     placement = server.placement_for(args, _session_runs)
     print(f"Tinker API on http://{args.host}:{args.port} ({args.placement})", flush=True)
     server.run(args, keys, placement)
+
+
+def _serve_openai(argv: list[str]) -> None:
+    """``flowrl serve openai``: the keys checked before anything starts, then the endpoint
+    until interrupted."""
+    from flowrl.backends.openai_api import server
+    from flowrl.infra.settings import get_settings
+
+    args = server.command_parser().parse_args(argv)
+    keys = server.check_keys(args)
+    get_settings().apply_to_environment()
+    print(f"OpenAI-compatible API on http://{args.host}:{args.port}/v1", flush=True)
+    server.run(args, keys)
 
 
 def _session_runs():

@@ -152,34 +152,43 @@ def _listening(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-class TinkerServer:
-    """A ``TinkerService`` behind uvicorn on a free loopback port, in a thread of this process;
-    ``stop()`` stops the server, then the service (its models unloaded)."""
+class AppServer:
+    """An ASGI app behind uvicorn on a free loopback port, in a thread of this process;
+    ``stop()`` stops the server, then calls ``on_stop``."""
 
-    def __init__(self, service) -> None:  # noqa: ANN001 - a flowrl TinkerService
+    def __init__(self, app, on_stop=None) -> None:  # noqa: ANN001 - a FastAPI app, a callable
         import threading
 
         import uvicorn
 
-        from flowrl.backends.tinker.routes import create_app
-
-        self.service = service
+        self._on_stop = on_stop
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            create_app(service), host="127.0.0.1", port=self.port, log_level="warning"
-        )
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name="tinker-uvicorn")
+        self.thread = threading.Thread(target=self.server.run, daemon=True, name="app-uvicorn")
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
-                self.service.close()
-                raise RuntimeError("the Tinker service did not start")
+                if on_stop is not None:
+                    on_stop()
+                raise RuntimeError("the service did not start")
             time.sleep(0.05)
 
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(30)
-        self.service.close()
+        if self._on_stop is not None:
+            self._on_stop()
+
+
+class TinkerServer(AppServer):
+    """A ``TinkerService`` behind uvicorn (``AppServer``); ``stop()`` stops the server, then
+    the service (its models unloaded)."""
+
+    def __init__(self, service) -> None:  # noqa: ANN001 - a flowrl TinkerService
+        from flowrl.backends.tinker.routes import create_app
+
+        self.service = service
+        super().__init__(create_app(service), on_stop=service.close)

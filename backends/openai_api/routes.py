@@ -1,0 +1,271 @@
+"""The OpenAI-compatible endpoint's routes (``service.OpenAIService`` holds the state):
+
+- ``GET /v1/models``, ``GET /v1/models/{id}``;
+- ``POST /v1/chat/completions``: messages rendered by the model's chat template, streaming
+  (server-sent events, ``data: [DONE]`` last) or not;
+- ``POST /v1/completions``: a text prompt (or token ids) continued as it is, no template.
+
+Behind the serving layer's guard (``infra.serving.guarded_app``): keys (``Authorization:
+Bearer``, as the ``openai`` client sends them) map to namespaces, body size and request-rate
+limits; a malformed body is a 422 naming the field, a parameter the engine cannot honour a 400
+naming it. Besides the standard fields, a completion carries its token ids (``token_ids``, and
+``prompt_token_ids`` on the response): the ids as sampled, which the text is decoded from.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from flowrl.backends.openai_api.service import (
+    Completion,
+    OpenAIService,
+    Served,
+    check_parameters,
+)
+from flowrl.infra.serving import ServiceError, guarded_app
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def create_app(service: OpenAIService) -> FastAPI:
+    """The endpoint's FastAPI app."""
+    app = guarded_app(
+        "flowrl OpenAI-compatible API", service.keys, service.limits, open_paths=("/health",)
+    )
+
+    @app.get("/health")
+    def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    def models(request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": service.list_models(request.state.namespace)}
+
+    @app.get("/v1/models/{model_id:path}")
+    def model(request: Request, model_id: str) -> dict[str, Any]:
+        for entry in service.list_models(request.state.namespace):
+            if entry["id"] == model_id:
+                return entry
+        raise ServiceError(404, f"no model {model_id[:120]!r}")
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(request: Request) -> Any:
+        body = await json_object(request)
+        answer = await run_in_threadpool(_chat, service, request.state.namespace, body)
+        if body.get("stream"):
+            return StreamingResponse(_chat_stream(answer), media_type="text/event-stream")
+        return answer
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Any:
+        body = await json_object(request)
+        answer = await run_in_threadpool(_complete, service, request.state.namespace, body)
+        if body.get("stream"):
+            return StreamingResponse(_text_stream(answer), media_type="text/event-stream")
+        return answer
+
+    return app
+
+
+# ------------------------------------------------------------------------- requests
+
+
+async def json_object(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise ServiceError(422, "malformed request: the body is not JSON") from None
+    if not isinstance(body, dict):
+        raise ServiceError(422, "malformed request: the body is not a JSON object")
+    return body
+
+
+def _chat(service: OpenAIService, namespace: str | None, body: dict[str, Any]) -> dict[str, Any]:
+    """A chat completion (in a worker thread: loading and sampling block)."""
+    check_parameters(body)
+    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
+        raise ServiceError(
+            400, "tools: not supported yet (no chat family's tool-call syntax is parsed)"
+        )
+    served = service.model(namespace, body.get("model"))
+    prompt = _chat_prompt(served, body.get("messages"))
+    completions = service.sample(served, prompt, body)
+    return chat_answer(served, prompt, completions, bool(body.get("logprobs")))
+
+
+def _complete(
+    service: OpenAIService, namespace: str | None, body: dict[str, Any]
+) -> dict[str, Any]:
+    """A text completion (in a worker thread)."""
+    check_parameters(body)
+    served = service.model(namespace, body.get("model"))
+    prompt = _text_prompt(served, body.get("prompt"))
+    sampled = service.sample(served, prompt, body)
+    return _text_answer(served, prompt, sampled, bool(body.get("logprobs")))
+
+
+def request_messages(messages: Any) -> list[dict[str, str]]:
+    """A request's messages as ``{"role", "content"}`` with text content (``developer`` is a
+    system message); 400 naming the first that is not."""
+    if not isinstance(messages, list) or not messages or len(messages) > 256:
+        raise ServiceError(400, "messages: a list of 1 to 256 messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+            raise ServiceError(400, f"messages[{i}]: role one of {', '.join(_ROLES)}")
+        role = "system" if message["role"] == "developer" else message["role"]
+        out.append({"role": role, "content": _text(message.get("content"), i)})
+    return out
+
+
+def _chat_prompt(served: Served, messages: Any) -> list[int]:
+    """The messages as the model's chat template renders them, generation prompt included."""
+    from jinja2 import TemplateError
+
+    from flowrl.backends.chat import ChatTemplateError
+
+    rendered = request_messages(messages)
+    try:
+        return served.chat.encode_prompt(served.chat.template_messages(rendered))
+    except (ChatTemplateError, TemplateError) as err:
+        why = served.chat.refusal(rendered) or str(err)
+        raise ServiceError(400, f"messages: {why}"[:300]) from None
+
+
+def _text(content: Any, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise ServiceError(400, f"messages[{index}].content: text, or a list of text parts")
+
+
+def _text_prompt(served: Served, prompt: Any) -> list[int]:
+    if isinstance(prompt, str) and prompt:
+        return served.chat.tokenizer.encode(prompt, add_special_tokens=False)
+    if (
+        isinstance(prompt, list)
+        and prompt
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+    ):
+        return list(prompt)
+    raise ServiceError(400, "prompt: a non-empty string, or a list of token ids")
+
+
+# ------------------------------------------------------------------------- answers
+
+
+def _logprobs(served: Served, c: Completion) -> dict[str, Any]:
+    pieces = [served.chat.tokenizer.decode([t]) for t in c.tokens]
+    return {
+        "content": [
+            {"token": p, "logprob": lp, "bytes": list(p.encode()), "top_logprobs": []}
+            for p, lp in zip(pieces, c.logprobs, strict=True)
+        ]
+    }
+
+
+def _usage(prompt: list[int], completions: list[Completion]) -> dict[str, int]:
+    sampled = sum(len(c.tokens) for c in completions)
+    return {
+        "prompt_tokens": len(prompt),
+        "completion_tokens": sampled,
+        "total_tokens": len(prompt) + sampled,
+    }
+
+
+def chat_answer(
+    served: Any, prompt: list[int], completions: list[Completion], logprobs: bool
+) -> dict[str, Any]:
+    choices = []
+    for i, c in enumerate(completions):
+        choice: dict[str, Any] = {
+            "index": i,
+            "message": {"role": "assistant", "content": served.chat.response(c.text)},
+            "finish_reason": c.finish_reason,
+            "logprobs": _logprobs(served, c) if logprobs else None,
+            "token_ids": c.tokens,
+        }
+        choices.append(choice)
+    return {
+        "id": f"chatcmpl-{secrets.token_hex(12)}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": served.name,
+        "choices": choices,
+        "usage": _usage(prompt, completions),
+        "prompt_token_ids": prompt,
+    }
+
+
+def _text_answer(
+    served: Served, prompt: list[int], completions: list[Completion], logprobs: bool
+) -> dict[str, Any]:
+    choices = []
+    for i, c in enumerate(completions):
+        lp = None
+        if logprobs:
+            tokens = [served.chat.tokenizer.decode([t]) for t in c.tokens]
+            lp = {"tokens": tokens, "token_logprobs": c.logprobs, "top_logprobs": None}
+        choices.append(
+            {
+                "index": i,
+                "text": c.text,
+                "finish_reason": c.finish_reason,
+                "logprobs": lp,
+                "token_ids": c.tokens,
+            }
+        )
+    return {
+        "id": f"cmpl-{secrets.token_hex(12)}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": served.name,
+        "choices": choices,
+        "usage": _usage(prompt, completions),
+        "prompt_token_ids": prompt,
+    }
+
+
+def _event(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _chat_stream(answer: dict[str, Any]) -> Iterator[str]:
+    """The answer as chat completion chunks: per choice its role, its content and its end
+    (the completion is sampled whole, then sent)."""
+    head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    for choice in answer["choices"]:
+        i = choice["index"]
+        message = choice["message"]
+        yield _event(head | {"choices": [{"index": i, "delta": {"role": "assistant"}}]})
+        delta = {
+            "index": i,
+            "delta": {"content": message["content"]},
+            "token_ids": choice["token_ids"],
+        }
+        if choice["logprobs"] is not None:
+            delta["logprobs"] = choice["logprobs"]
+        yield _event(head | {"choices": [delta]})
+        end = {"index": i, "delta": {}, "finish_reason": choice["finish_reason"]}
+        yield _event(head | {"choices": [end]})
+    yield _event(head | {"choices": [], "usage": answer["usage"]})
+    yield "data: [DONE]\n\n"
+
+
+def _text_stream(answer: dict[str, Any]) -> Iterator[str]:
+    head = {k: answer[k] for k in ("id", "created", "model", "object")}
+    for choice in answer["choices"]:
+        yield _event(head | {"choices": [choice]})
+    yield "data: [DONE]\n\n"

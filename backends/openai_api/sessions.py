@@ -1,0 +1,273 @@
+"""Rollout sessions: an agent's OpenAI client bound to one rollout, every request recorded as
+the tokens it was sampled as (``agent_loop.recorded.Turn``).
+
+A session is opened per episode (``SessionTable.open``) with a key of its own; its base URL is
+``/sessions/<id>/v1`` and its key is accepted there only, until the episode ends (``close``):
+one rollout cannot read or write another's session, and a closed session answers 404.
+
+Token-exact multi-turn: when a request's messages are the previous request's messages, then
+the answer the endpoint gave (as text, unchanged), then new user or tool messages, its prompt
+is built from tokens, not re-rendered text: the previous prompt + the sampled completion (+ the
+end-of-turn token when the completion had none) + each new message's rendering
+(``ChatFormat.encode_turn``). Any other request (the agent rewrote its history) is rendered
+from its messages, and ``trajectories_from_turns`` starts a new trajectory there.
+
+Requests of all sessions are sampled in batches (``Batcher``): what arrives within a few
+milliseconds of the first pending request goes to the sampler in one call (by temperature),
+each cut to its own ``max_tokens``.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from flowrl.agent_loop.recorded import Turn
+from flowrl.agent_loop.types import ChatFormat, SampleResult
+from flowrl.infra.serving import ServiceError
+
+SampleFn = Callable[[list[list[int]], int, float, int], list[SampleResult]]
+"""``(prompts, max_new_tokens, temperature, seed) -> results``: the policy's sampler."""
+
+
+@dataclass
+class _Pending:
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    done: threading.Event = field(default_factory=threading.Event)
+    result: SampleResult | None = None
+    error: BaseException | None = None
+
+
+class Batcher:
+    """Requests from many sessions sampled together: a call takes every request pending
+    ``window_s`` after the first, of the first's temperature."""
+
+    def __init__(self, sample: SampleFn, seed: int, window_s: float = 0.02):
+        self._sample = sample
+        self._seed = seed
+        self._window_s = window_s
+        self._calls = 0
+        self._pending: list[_Pending] = []
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name="session-batcher")
+        self._thread.start()
+
+    def sample(self, prompt: list[int], max_tokens: int, temperature: float) -> SampleResult:
+        item = _Pending(prompt, max_tokens, temperature)
+        with self._cond:
+            if self._stop:
+                raise ServiceError(503, "the rollout's sampler is closed")
+            self._pending.append(item)
+            self._cond.notify()
+        item.done.wait()
+        if item.error is not None:
+            raise item.error
+        assert item.result is not None
+        return item.result
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._stop:
+                    self._cond.wait()
+                if self._stop and not self._pending:
+                    return
+            time.sleep(self._window_s)
+            with self._cond:
+                temperature = self._pending[0].temperature
+                batch = [p for p in self._pending if p.temperature == temperature]
+                self._pending = [p for p in self._pending if p.temperature != temperature]
+            self._serve(batch, temperature)
+
+    def _serve(self, batch: list[_Pending], temperature: float) -> None:
+        self._calls += 1
+        try:
+            longest = max(p.max_tokens for p in batch)
+            seed = (self._seed * 1_000_003 + self._calls) % 2**62
+            results = self._sample([p.prompt for p in batch], longest, temperature, seed)
+            for item, result in zip(batch, results, strict=True):
+                item.result = _cut(result, item.max_tokens)
+        except BaseException as err:  # noqa: BLE001 - every waiting request gets the error
+            for item in batch:
+                item.error = err
+        finally:
+            for item in batch:
+                item.done.set()
+
+
+def _cut(result: SampleResult, max_tokens: int) -> SampleResult:
+    if len(result.tokens) <= max_tokens:
+        return result
+    return SampleResult(result.tokens[:max_tokens], result.logprobs[:max_tokens], "length")
+
+
+@dataclass
+class Session:
+    """One episode's session: its key, its recorded turns, and what the last answer was."""
+
+    session_id: str
+    key: str
+    turns: list[Turn] = field(default_factory=list)
+    last_messages: list[dict[str, Any]] = field(default_factory=list)
+    last_answer: str | None = None
+    closed: bool = False
+
+
+class SessionTable:
+    """The open rollout sessions of one process, sampling through one ``Batcher``."""
+
+    def __init__(self, chat: ChatFormat, batcher: Batcher, context_length: int, max_tokens: int):
+        self.chat = chat
+        self.batcher = batcher
+        self.context_length = context_length
+        self.max_tokens = max_tokens
+        self._lock = threading.Lock()
+        self._sessions: dict[str, Session] = {}
+
+    def open(self) -> Session:
+        session = Session(secrets.token_hex(8), "rollout-" + secrets.token_urlsafe(24))
+        with self._lock:
+            self._sessions[session.session_id] = session
+        return session
+
+    def close(self, session: Session) -> list[Turn]:
+        """End the session (its key no longer answers); its recorded turns."""
+        with self._lock:
+            self._sessions.pop(session.session_id, None)
+        session.closed = True
+        return list(session.turns)
+
+    def session(self, session_id: str, key: str | None) -> Session:
+        """The open session ``session_id`` if ``key`` is its own; else 404 (no hint whether
+        the id exists)."""
+        with self._lock:
+            session = self._sessions.get(session_id)
+        if session is None or key is None or not secrets.compare_digest(session.key, key):
+            raise ServiceError(404, f"no session {session_id[:40]!r}")
+        return session
+
+    def prompt(self, session: Session, messages: list[dict[str, Any]]) -> list[int]:
+        """The request's prompt: from the previous turn's tokens when the messages continue
+        it, else rendered from the messages."""
+        last = session.turns[-1] if session.turns else None
+        k = len(session.last_messages)
+        continues = (
+            last is not None
+            and len(messages) > k + 1
+            and messages[:k] == session.last_messages
+            and messages[k].get("role") == "assistant"
+            and messages[k].get("content") == session.last_answer
+            and all(m.get("role") in ("user", "tool") for m in messages[k + 1 :])
+        )
+        as_template = getattr(self.chat, "template_messages", lambda m: m)
+        if not continues:
+            return self.chat.encode_prompt(as_template(messages))
+        assert last is not None
+        tokens = last.prompt + last.completion + self.chat.closing(list(last.completion))
+        for message in as_template(messages[k + 1 :]):
+            tokens += self.chat.encode_turn(message)
+        return tokens
+
+    def complete(
+        self,
+        session: Session,
+        messages: list[dict[str, Any]],
+        max_tokens: int | None,
+        temperature: float,
+    ) -> tuple[list[int], SampleResult, str]:
+        """Sample the session's next turn; (prompt, result, the answer's text) — recorded."""
+        from jinja2 import TemplateError
+
+        try:
+            prompt = self.prompt(session, messages)
+        except (TemplateError, ValueError) as err:  # the template refuses these messages
+            raise ServiceError(400, f"messages: {err}"[:300]) from None
+        room = self.context_length - len(prompt)
+        if room < 1:
+            raise ServiceError(
+                400,
+                f"messages: the conversation ({len(prompt)} tokens) fills the context of "
+                f"{self.context_length}",
+            )
+        budget = min(room, self.max_tokens, max_tokens or self.max_tokens)
+        result = self.batcher.sample(prompt, budget, temperature)
+        stopped = result.finish_reason == "stop"
+        body = result.tokens[:-1] if stopped else result.tokens
+        text = self.chat.response(self.chat.decode(list(body)))
+        answer = {"role": "assistant", "content": text}
+        session.turns.append(
+            Turn(
+                prompt,
+                list(result.tokens),
+                list(result.logprobs),
+                result.finish_reason,
+                [*messages, answer],
+            )
+        )
+        session.last_messages, session.last_answer = list(messages), text
+        return prompt, result, text
+
+
+def create_session_app(table: SessionTable, temperature: float) -> Any:
+    """The rollout sessions' endpoint: ``POST /sessions/<id>/v1/chat/completions`` with the
+    session's key (``Authorization: Bearer``). Requests sample at the rollout's
+    ``temperature`` (the one the trainer scores them at): a request asking another gets a 400
+    naming it. The answer is a chat completion with the sampled ``token_ids``."""
+    from starlette.concurrency import run_in_threadpool
+
+    from flowrl.backends.openai_api.routes import chat_answer, json_object, request_messages
+    from flowrl.backends.openai_api.service import Completion, check_parameters
+    from flowrl.infra.serving import Keys, ServingLimits, guarded_app, presented_key
+
+    app = guarded_app("flowrl rollout sessions", Keys(None), ServingLimits())
+
+    @app.post("/sessions/{session_id}/v1/chat/completions", response_model=None)
+    async def chat(session_id: str, request: Request) -> Any:
+        session = table.session(session_id, presented_key(request.headers))
+        body = await json_object(request)
+        check_parameters(body)
+        for name in ("n", "stream", "tools"):
+            if body.get(name) not in (None, 1, False, [], "none"):
+                raise ServiceError(400, f"{name}: not supported in a rollout session")
+        asked = body.get("temperature")
+        if asked is not None and asked != temperature:
+            raise ServiceError(
+                400,
+                f"temperature: a rollout samples at the job's {temperature:g} "
+                f"(rollout.temperature), got {asked!r}; leave it unset",
+            )
+        messages = request_messages(body.get("messages"))
+        asked_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        prompt, result, text = await run_in_threadpool(
+            table.complete, session, messages, asked_tokens, temperature
+        )
+        finish = "stop" if result.finish_reason == "stop" else "length"
+        completion = Completion(list(result.tokens), list(result.logprobs), finish, text)
+        return chat_answer(
+            _View(table.chat, "policy"), prompt, [completion], bool(body.get("logprobs"))
+        )
+
+    return app
+
+
+@dataclass
+class _View:
+    """What ``routes.chat_answer`` reads of a model: its chat format and name."""
+
+    chat: Any
+    name: str
