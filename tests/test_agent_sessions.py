@@ -153,6 +153,11 @@ def test_a_session_answers_its_own_key_only_and_not_after_it_closed(family):
     hot = body | {"temperature": 0.3}
     answer = httpx.post(url, json=hot, headers={"Authorization": f"Bearer {mine.key}"}, timeout=60)
     assert answer.status_code == 400 and "temperature" in answer.json()["detail"]
+    for bad, named in (({"max_tokens": "many"}, "max_tokens"), ({"n": 2}, "n:")):
+        refused = httpx.post(
+            url, json=body | bad, headers={"Authorization": f"Bearer {mine.key}"}, timeout=60
+        )
+        assert refused.status_code == 400 and named in refused.json()["detail"]
     table.close(mine)
     with pytest.raises(openai.NotFoundError):
         _client(server, mine).chat.completions.create(model="policy", messages=body["messages"])

@@ -253,6 +253,10 @@ def create_session_app(table: SessionTable, temperature: float) -> Any:
             )
         messages = request_messages(body.get("messages"))
         asked_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if asked_tokens is not None and (
+            not isinstance(asked_tokens, int) or isinstance(asked_tokens, bool) or asked_tokens < 1
+        ):
+            raise ServiceError(400, f"max_tokens: a positive integer, got {str(asked_tokens)[:40]}")
         prompt, result, text = await run_in_threadpool(
             table.complete, session, messages, asked_tokens, temperature
         )
