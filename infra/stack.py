@@ -40,7 +40,7 @@ BIN = Path(sys.executable).parent
 REPOSSESSOR_LOOP_SECONDS = 5
 WORKER_QUERY_SECONDS = 1  # Prefect's default of 10 s would dominate submission -> start
 MLFLOW_UI_PAGE = "#/experiments?workflowType=machine_learning"
-STOP_ORDER = ("tinker", "worker", "ray", "prefect", "mlflow", "moto")
+STOP_ORDER = ("openai", "tinker", "worker", "ray", "prefect", "mlflow", "moto")
 POINTER_NAME = "stack.json"
 # Flow runs started by the stack's worker send no task-run INFO lines to the API (one "Finished
 # in state Completed()" per stage and step drowned the flow's own lines); task-run warnings and
@@ -373,6 +373,7 @@ def _start_all(state: StackState, gpus: int, deploy: bool, ray: bool, say: _Prog
     say(f"worker on pool {pool}")
     if ray:
         _start_tinker(state, say)
+    _start_openai(state, say)
 
 
 def _start_tinker(state: StackState, say: _Progress) -> None:
@@ -391,6 +392,24 @@ def _start_tinker(state: StackState, say: _Progress) -> None:
     if not _alive(pid):
         raise RuntimeError(f"the Tinker API exited at once; see {stack_dir() / 'tinker.log'}")
     say(f"Tinker API on {url}")
+
+
+def _start_openai(state: StackState, say: _Progress) -> None:
+    """The OpenAI-compatible endpoint (``flowrl serve openai``) on the stack's MLflow and
+    storage: its registered versions, Tinker checkpoints and base models. With
+    ``FLOWRL_OPENAI_KEYS`` set, those keys; else without keys, on loopback. It loads a model on
+    its first request, so at rest it holds none."""
+    port = free_port()
+    url = f"http://{HOST}:{port}"
+    cmd = [str(BIN / "flowrl"), "serve", "openai", "--host", HOST, "--port", str(port)]
+    if not os.environ.get("FLOWRL_OPENAI_KEYS"):
+        cmd.append("--insecure-loopback")
+    state.env["OPENAI_BASE_URL"] = f"{url}/v1"
+    pid = _spawn("openai", cmd, state.env, state, url)
+    wait_for_http(f"{url}/health", 120)
+    if not _alive(pid):
+        raise RuntimeError(f"the OpenAI endpoint exited at once; see {stack_dir() / 'openai.log'}")
+    say(f"OpenAI-compatible endpoint on {url}/v1")
 
 
 def _child_env(state: StackState) -> dict[str, str]:

@@ -107,6 +107,14 @@ def test_stack_components_answer(stack_env):
     assert resources["GPU"] == 2  # the Ray head has the pool's GPUs (logical on CPU)
     with opener.open(f"{env['TINKER_BASE_URL']}/api/v1/healthz", timeout=10) as r:
         assert json.load(r) == {"status": "ok"}  # the Tinker API, for `flowrl stack env` users
+    import openai  # the OpenAI-compatible endpoint, found as `flowrl stack env` prints it
+
+    client = openai.OpenAI(base_url=env["OPENAI_BASE_URL"], api_key="local", max_retries=0)
+    assert "flowrl/tiny" in [m.id for m in client.models.list()]
+    answer = client.chat.completions.create(
+        model="flowrl/tiny", messages=[{"role": "user", "content": "1+1?"}], max_tokens=2
+    )
+    assert answer.usage.completion_tokens <= 2
 
 
 def test_submission_to_start_latency_on_an_idle_pool(stack_env, probe_deployment):
