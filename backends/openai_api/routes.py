@@ -56,21 +56,22 @@ def create_app(service: OpenAIService) -> FastAPI:
                 return entry
         raise ServiceError(404, f"no model {model_id[:120]!r}")
 
+    async def answer(request: Request, work: Any, stream: Any) -> Any:
+        """``work(service, namespace, body)`` in a worker thread (loading and sampling block);
+        its answer as JSON, or as server-sent events with ``stream``."""
+        body = await json_object(request)
+        result = await run_in_threadpool(work, service, request.state.namespace, body)
+        if body.get("stream"):
+            return StreamingResponse(stream(result), media_type="text/event-stream")
+        return result
+
     @app.post("/v1/chat/completions", response_model=None)
     async def chat_completions(request: Request) -> Any:
-        body = await json_object(request)
-        answer = await run_in_threadpool(_chat, service, request.state.namespace, body)
-        if body.get("stream"):
-            return StreamingResponse(_chat_stream(answer), media_type="text/event-stream")
-        return answer
+        return await answer(request, _chat, _chat_stream)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Any:
-        body = await json_object(request)
-        answer = await run_in_threadpool(_complete, service, request.state.namespace, body)
-        if body.get("stream"):
-            return StreamingResponse(_text_stream(answer), media_type="text/event-stream")
-        return answer
+        return await answer(request, _complete, _text_stream)
 
     return app
 
