@@ -48,10 +48,9 @@ holds no torch models, PEFT or DeepSpeed, and only the machines that run vLLM or
 the packages."""
 
 
-VLLM_VENV_BACKENDS = (
-    SAMPLER_BACKENDS["vllm"],
-    "flowrl.backends.tinker.vllm_sampling:TinkerVLLMSampler",
-)
+TINKER_VLLM_BACKEND = "flowrl.backends.tinker.vllm_sampling:TinkerVLLMSampler"
+"""The Tinker API's sampling models on vLLM (``backends.placement.VLLMEngines``)."""
+VLLM_VENV_BACKENDS = (SAMPLER_BACKENDS["vllm"], TINKER_VLLM_BACKEND)
 """Backends that import vLLM, so run on the interpreter of vLLM's venv."""
 
 

@@ -37,6 +37,7 @@ import ray
 
 from flowrl.backends.actors import (
     SAMPLER_BACKENDS,
+    TINKER_VLLM_BACKEND,
     TRAINER_BACKENDS,
     ActorResources,
     ColocatedPolicy,
@@ -368,6 +369,6 @@ class VLLMEngines(Placement):
             seed=spec["seed"] or 0,
         )
         worker = self.build.specs(worker)["sampler"]
-        path = "flowrl.backends.tinker.vllm_sampling:TinkerVLLMSampler"
         name = f"tinker-vllm-{spec['model_id']}-{secrets.token_hex(3)}"
-        return EngineHandle(start_sampler_actor(name, path, worker, self.build.resources))
+        actor = start_sampler_actor(name, TINKER_VLLM_BACKEND, worker, self.build.resources)
+        return EngineHandle(actor)

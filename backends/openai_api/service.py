@@ -24,7 +24,6 @@ from __future__ import annotations
 import re
 import secrets
 import threading
-import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -97,7 +96,6 @@ class Served:
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.vocab_size = len(chat.tokenizer)
         self.lock = threading.Lock()
-        self.created = int(time.time())
 
 
 class OpenAIService:
@@ -124,31 +122,19 @@ class OpenAIService:
     def list_models(self, namespace: str | None) -> list[dict[str, Any]]:
         """The catalogue's base models and the namespace's registered models (each as
         ``models:/<name>/<latest>`` and one entry per alias)."""
+        ids = sorted(self.catalogue)
+        for name, latest, aliases in self._registered(namespace):
+            ids += [f"models:/{name}/{latest}", *(f"models:/{name}@{a}" for a in sorted(aliases))]
         owner = namespace or "flowrl"
-        out = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "flowrl"}
-            for name in sorted(self.catalogue)
+        return [
+            {
+                "id": i,
+                "object": "model",
+                "created": 0,
+                "owned_by": "flowrl" if i in self.catalogue else owner,
+            }
+            for i in ids
         ]
-        for name, versions, aliases in self._registered(namespace):
-            created = 0
-            out.append(
-                {
-                    "id": f"models:/{name}/{versions}",
-                    "object": "model",
-                    "created": created,
-                    "owned_by": owner,
-                }
-            )
-            out += [
-                {
-                    "id": f"models:/{name}@{a}",
-                    "object": "model",
-                    "created": created,
-                    "owned_by": owner,
-                }
-                for a in sorted(aliases)
-            ]
-        return out
 
     def _registered(self, namespace: str | None) -> list[tuple[str, str, list[str]]]:
         from flowrl.infra.tracking import client

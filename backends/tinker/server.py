@@ -115,10 +115,10 @@ def sampler_placement_for(args: argparse.Namespace) -> Placement | None:
     checked now, before the service starts); None for hf, the service's default."""
     if args.sampler_engine != "vllm":
         return None
-    from flowrl.backends.actors import VLLM_VENV_BACKENDS, backend_runtime_env
+    from flowrl.backends.actors import TINKER_VLLM_BACKEND, backend_runtime_env
 
     try:
-        backend_runtime_env(VLLM_VENV_BACKENDS[1])
+        backend_runtime_env(TINKER_VLLM_BACKEND)
     except ValueError as err:
         raise SystemExit(f"flowrl serve tinker --sampler-engine vllm: {err}") from None
     return VLLMEngines()
