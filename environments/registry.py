@@ -7,6 +7,9 @@
   (``environments.reasoning_gym``); the library is imported only when such a name is used;
 - ``textarena:<Game-v0>`` — a game of TextArena's registry (the ``envs`` extra), as a game
   between agents (``environments.textarena``); imported only when such a name is used;
+- ``agent:<package.module>:<function>`` — the user's agent (an ``openai`` client or any
+  framework on it) playing another environment's task through rollout sessions
+  (``environments.agent``);
 - ``package.module:Attribute`` — imported from the job's Python path;
 - the name of an entry point in the group ``flowrl.environments`` of any installed package
   (flowrl's built-ins ``arithmetic``, ``tool_math``, ``gomoku`` and ``geometry`` are declared
@@ -60,6 +63,9 @@ REASONING_GYM_PREFIX = "reasoning_gym:"
 """``env.name`` prefix of reasoning-gym's datasets (``environments.reasoning_gym``)."""
 TEXTARENA_PREFIX = "textarena:"
 """``env.name`` prefix of TextArena's games (``environments.textarena``)."""
+AGENT_PREFIX = "agent:"
+"""``env.name`` prefix of an agent playing a task through rollout sessions
+(``environments.agent``)."""
 _DOTTED = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
 
 
@@ -82,7 +88,7 @@ def load(name: str) -> Loaded:
     if prefix is not None:
         target = _library_target(name, prefix)
     elif ":" in name:
-        target = _import_attribute(name)
+        target = import_attribute(name)
     else:
         matches = list(entry_points(group=ENTRY_POINT_GROUP, name=name))
         if not matches:
@@ -107,6 +113,7 @@ def load(name: str) -> Loaded:
 LIBRARIES = {
     REASONING_GYM_PREFIX: ("flowrl.environments.reasoning_gym", "task_class"),
     TEXTARENA_PREFIX: ("flowrl.environments.textarena", "game_class"),
+    AGENT_PREFIX: ("flowrl.environments.agent", "agent_task_class"),
 }
 """``env.name`` prefixes of shared libraries' environments: the adapter module and its function
 from the name after the prefix to the class (the library is imported only then)."""
@@ -121,7 +128,9 @@ def _library_target(name: str, prefix: str) -> Any:
         raise EnvironmentLoadError(f"environment {name!r}: {exc}") from None
 
 
-def _import_attribute(name: str) -> Any:
+def import_attribute(name: str) -> Any:
+    """The object ``package.module:Attribute`` names, imported from the job's Python path;
+    ``EnvironmentLoadError`` naming why not."""
     module_name, _, attribute = name.partition(":")
     if not _DOTTED.fullmatch(module_name) or not _DOTTED.fullmatch(attribute):
         raise EnvironmentLoadError(

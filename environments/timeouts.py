@@ -56,6 +56,11 @@ def abandoning_calls() -> Iterator[None]:
         _ABANDON.clear()
 
 
+def calls_abandoned() -> bool:
+    """Whether the job is stopping (inside ``abandoning_calls``): waits should end now."""
+    return _ABANDON.is_set()
+
+
 def timeout_message(verb: str, timeout_s: float) -> str:
     """The reason an episode failed, e.g. ``"step timed out after 60 s"``."""
     return f"{verb} timed out after {timeout_s:g} s"

@@ -318,3 +318,37 @@ def serve(app: FastAPI, host: str, port: int, keep_alive_s: int = 5) -> None:
         timeout_keep_alive=keep_alive_s,
         h11_max_incomplete_event_size=64 * 1024,
     )
+
+
+class BackgroundServer:
+    """``app`` under uvicorn on a free loopback port, in a daemon thread of this process (a
+    rollout's sessions, tests); ``stop()`` ends it. Loopback only: nothing else may reach it."""
+
+    def __init__(self, app: FastAPI, start_timeout_s: float = 30.0) -> None:
+        import uvicorn
+
+        from flowrl.infra.servers import free_port
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            limit_concurrency=1024,
+            backlog=1024,
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True, name="uvicorn")
+        self._thread.start()
+        deadline = time.monotonic() + start_timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                BackgroundServer.stop(self)
+                raise RuntimeError(f"a server on {self.url} did not start")
+            time.sleep(0.02)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)

@@ -9,13 +9,26 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from flowrl.agent_loop.agents import run_agent_episodes
 from flowrl.agent_loop.loop import LoopLimits, run_episodes
 from flowrl.agent_loop.types import Trajectory
 from flowrl.backends.actors import PolicyRef
 from flowrl.backends.chat import HFChatFormat
+from flowrl.environments.agent import AgentTask
+from flowrl.environments.registry import AGENT_PREFIX
+from flowrl.environments.remote import env_factory_for
 from flowrl.environments.types import Environment
 from flowrl.tasks.seeding import SeededSampler, derived_seed
 from flowrl.tasks.types import EvalResult
+
+
+def episode_source(env_section: Any, job: str) -> Any:
+    """What plays a job's episodes (``run_group_episodes``' ``envs_from``): the agent's task
+    for an ``agent:`` environment (``environments.agent``), else an ``EnvFactory`` of the
+    section's mode."""
+    if env_section.name.startswith(AGENT_PREFIX):
+        return env_section.task()
+    return env_factory_for(env_section, job)
 
 
 def run_group_episodes(
@@ -33,9 +46,12 @@ def run_group_episodes(
     one per sampler, run side by side; share i samples with seed ``(seed, i)`` (share 0 with
     ``seed``, so one sampler samples exactly as before), and the episodes come back in order.
 
-    ``envs_from`` is a task config (in-process environments from its ``make_env()``) or a
-    factory ``make_env(episode_id)`` such as ``environments.remote.EnvFactory``.
+    ``envs_from`` is a task config (in-process environments from its ``make_env()``), a
+    factory ``make_env(episode_id)`` such as ``environments.remote.EnvFactory``, or an agent's
+    task (``episode_source``), whose episodes the agent plays through rollout sessions
+    (``agent_loop.agents``).
     """
+    agent = envs_from if isinstance(envs_from, AgentTask) else None
     make_env = envs_from if callable(envs_from) else (lambda _id: envs_from.make_env())
     shares = _split(list(range(len(rows))), len(policy.samplers))
 
@@ -43,10 +59,14 @@ def run_group_episodes(
         groups = shares[index]
         group_ids = [g for g in groups for _ in range(group_size)]
         ids = [f"{id_prefix}-{g}-{k % group_size}" for k, g in enumerate(group_ids)]
-        envs = [make_env(episode_id) for episode_id in ids]
         share_seed = seed if index == 0 else derived_seed(seed, index)
         episode_rows = [rows[g] for g in group_ids]
         episode_sampler = SeededSampler(policy, share_seed, index)
+        if agent is not None:
+            return run_agent_episodes(
+                agent, episode_rows, group_ids, episode_sampler, chat, limits, ids
+            )
+        envs = [make_env(episode_id) for episode_id in ids]
         return run_episodes(envs, episode_rows, group_ids, episode_sampler, chat, limits, ids)
 
     try:

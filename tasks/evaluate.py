@@ -16,9 +16,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flowrl.backends.actors import PolicyRef
-from flowrl.environments.remote import env_factory_for
 from flowrl.tasks.chat_formats import chat_format
-from flowrl.tasks.episodes import episode_succeeded, evaluate_policy, run_group_episodes
+from flowrl.tasks.episodes import (
+    episode_source,
+    episode_succeeded,
+    evaluate_policy,
+    run_group_episodes,
+)
 from flowrl.tasks.schemas import EnvSection, ModelSection, RolloutSection
 from flowrl.tasks.types import JobContext
 
@@ -87,7 +91,7 @@ def score_model(spec: EvalSpec, ctx: JobContext, model_uri: str, policy: PolicyR
     start = time.perf_counter()
     task_cfg = spec.env.task(spec.seed)
     chat = chat_format(model_uri, ctx.cache_dir, spec.model)
-    make_env = env_factory_for(spec.env, ctx.run_name)
+    make_env = episode_source(spec.env, ctx.run_name)
     rows = task_cfg.eval_set()[: spec.num_prompts]
     limits = spec.rollout.limits(greedy=True)
     greedy = evaluate_policy(task_cfg, policy, chat, limits, make_env, spec.env.success, rows)

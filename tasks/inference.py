@@ -10,12 +10,12 @@ from prefect.cache_policies import NO_CACHE
 
 from flowrl.agent_loop.types import Trajectory
 from flowrl.backends.actors import PolicyRef
-from flowrl.environments.remote import env_factory_for
 from flowrl.infra.storage import Storage
 from flowrl.tasks.chat_formats import chat_format
 from flowrl.tasks.episodes import (
     episode_accuracy,
     episode_metrics,
+    episode_source,
     episode_succeeded,
     run_group_episodes,
 )
@@ -54,7 +54,7 @@ def infer(
     chat = chat_format(model_uri, ctx.cache_dir, config.model)
     limits = config.rollout.limits(greedy=config.greedy)
     trajectories = run_group_episodes(
-        env_factory_for(config.env, ctx.run_name),
+        episode_source(config.env, ctx.run_name),
         rows,
         config.samples_per_prompt,
         policy,

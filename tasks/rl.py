@@ -14,11 +14,11 @@ from prefect.cache_policies import NO_CACHE
 
 from flowrl.backends.actors import PolicyRef, sampler_weights_version, sync_weights, trainer
 from flowrl.backends.types import Datum
-from flowrl.environments.remote import env_factory_for
 from flowrl.infra.storage import Storage, prune_checkpoints
 from flowrl.tasks.chat_formats import chat_format
 from flowrl.tasks.episodes import (
     episode_metrics,
+    episode_source,
     episode_succeeded,
     evaluate_policy,
     run_group_episodes,
@@ -55,7 +55,7 @@ def rollout(
     rows = source.next_batch(cfg.rollout.prompts_per_step)
     version = sampler_weights_version(policy)
     trajectories = run_group_episodes(
-        env_factory_for(cfg.env, ctx.run_name),
+        episode_source(cfg.env, ctx.run_name),
         rows,
         cfg.rollout.group_size,
         policy,
@@ -212,7 +212,7 @@ def weight_sync(policy: PolicyRef) -> float:
 def evaluate(cfg: RLJobConfig, ctx: JobContext, model_uri: str, policy: PolicyRef) -> EvalResult:
     """Greedy accuracy on the environment's fixed held-out set."""
     chat = chat_format(model_uri, ctx.cache_dir, cfg.model)
-    make_env = env_factory_for(cfg.env, ctx.run_name)
+    make_env = episode_source(cfg.env, ctx.run_name)
     limits = cfg.rollout.limits(greedy=True)
     return evaluate_policy(cfg.env.task(cfg.seed), policy, chat, limits, make_env, cfg.env.success)
 

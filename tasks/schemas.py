@@ -37,6 +37,7 @@ from flowrl.backends.types import (
     LoraSettings,
     Precision,
 )
+from flowrl.environments.agent import AgentTask
 from flowrl.environments.data import ROW_FORMATS
 from flowrl.environments.registry import (
     EnvironmentLoadError,
@@ -104,8 +105,10 @@ class EnvSection(_Section, title="Environment"):
         default="arithmetic",
         description="An installed environment's name (entry point group flowrl.environments: "
         "arithmetic, tool_math, gomoku, geometry, or a package's own), package.module:Class, "
-        "reasoning_gym:<dataset> (the envs extra; env.params = the dataset's config), or "
-        "textarena:<Game-v0> (the envs extra; a game between agents).",
+        "reasoning_gym:<dataset> (the envs extra; env.params = the dataset's config), "
+        "textarena:<Game-v0> (the envs extra; a game between agents), or "
+        "agent:package.module:function (your agent, through an OpenAI endpoint, playing "
+        "env.params.task).",
     )
     params: dict[str, Any] = Field(
         default_factory=dict,
@@ -162,7 +165,12 @@ class EnvSection(_Section, title="Environment"):
     def _check_environment(self) -> EnvSection:
         if self.mode == "http" and not self.service_url:
             raise ValueError("env.mode 'http' needs env.service_url")
-        check_environment(self.task(), self.step_timeout_s)  # import, API, params, one reset
+        task = self.task()
+        if isinstance(task, AgentTask):  # an agent plays in the rollout's process
+            if self.mode != "local":
+                raise ValueError("env.mode: an agent (env.name agent:…) runs 'local' only")
+            task = task.inner
+        check_environment(task, self.step_timeout_s)  # import, API, params, one reset
         return self
 
     def task(self, seed: int = 0) -> TaskConfig:

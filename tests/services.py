@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from flowrl.infra.servers import free_port, wait_for_http
+from flowrl.infra.serving import BackgroundServer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -152,33 +153,22 @@ def _listening(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
-class AppServer:
-    """An ASGI app behind uvicorn on a free loopback port, in a thread of this process;
-    ``stop()`` stops the server, then calls ``on_stop``."""
+class AppServer(BackgroundServer):
+    """An ASGI app behind uvicorn on a free loopback port, in a thread of this process
+    (``infra.serving.BackgroundServer``); ``stop()`` stops the server, then calls ``on_stop``
+    (also when it does not start)."""
 
     def __init__(self, app, on_stop=None) -> None:  # noqa: ANN001 - a FastAPI app, a callable
-        import threading
-
-        import uvicorn
-
         self._on_stop = on_stop
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name="app-uvicorn")
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                if on_stop is not None:
-                    on_stop()
-                raise RuntimeError("the service did not start")
-            time.sleep(0.05)
+        try:
+            super().__init__(app)
+        except RuntimeError:
+            if on_stop is not None:
+                on_stop()
+            raise
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
+        super().stop()
         if self._on_stop is not None:
             self._on_stop()
 

@@ -116,6 +116,10 @@ def _cut(result: SampleResult, max_tokens: int) -> SampleResult:
     return SampleResult(result.tokens[:max_tokens], result.logprobs[:max_tokens], "length")
 
 
+class ContextFull(ServiceError):
+    """A session's conversation leaves no room to answer in the context (400)."""
+
+
 @dataclass
 class Session:
     """One episode's session: its key, its recorded turns, and what the last answer was."""
@@ -199,7 +203,7 @@ class SessionTable:
             raise ServiceError(400, f"messages: {err}"[:300]) from None
         room = self.context_length - len(prompt)
         if room < 1:
-            raise ServiceError(
+            raise ContextFull(
                 400,
                 f"messages: the conversation ({len(prompt)} tokens) fills the context of "
                 f"{self.context_length}",

@@ -1,0 +1,69 @@
+"""An agent of the user's own trains as it is (issue 42): examples/agents' plain ``openai``-SDK
+calculator agent, through rollout sessions, under ``rl_train`` on a real Prefect API, Ray and
+MLflow store. Fixed seeds; the bar is the e2e learning test's (tests/test_flow_e2e.py)."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+from flowrl.tasks.schemas import load_job
+
+pytestmark = pytest.mark.e2e
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agents"
+STEPS = 40
+# Warm-up stops at the first check at or over 0.2 (every 10 SFT steps): the tiny model learns
+# the call format abruptly, so this leaves RL room to improve whichever kernels ran it.
+OVERRIDES = [
+    f"schedule.steps={STEPS}",
+    "schedule.eval_every=40",
+    "schedule.checkpoint_every=40",
+    "warmup.target_accuracy=0.2",
+    "warmup.eval_every=10",
+    "rollout.prompts_per_step=8",
+    "env.params.task_params.eval_size=50",
+]
+
+
+@pytest.fixture(scope="module")
+def trained(prefect_api, flowrl_home):
+    from flowrl.flows.rl import rl_train
+
+    sys.path.insert(0, str(EXAMPLE))  # PYTHONPATH=examples/agents, as the example says
+    try:
+        config = load_job(str(EXAMPLE / "calculator-agent.yaml"), OVERRIDES)
+        yield config, rl_train(config)
+    finally:
+        sys.path.remove(str(EXAMPLE))
+
+
+def _history(run_id: str, metric: str) -> list[float]:
+    from flowrl.infra.tracking import client
+
+    points = sorted(client().get_metric_history(run_id, metric), key=lambda m: m.step)
+    return [m.value for m in points]
+
+
+def test_the_openai_sdk_calculator_agent_learns(trained):
+    _, result = trained
+    rewards = _history(result.mlflow_run_id, "reward/mean")
+    assert len(rewards) == STEPS
+    first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+    print(
+        f"reward/mean first 10 steps {first:.3f}, last 10 {last:.3f}; held-out accuracy "
+        f"{result.accuracy_start:.3f} -> {result.accuracy_end:.3f}"
+    )
+    assert last > first + 0.05, (first, last)
+    assert result.accuracy_end > result.accuracy_start
+
+
+def test_its_episodes_were_played_through_sessions_and_none_failed(trained):
+    _, result = trained
+    requests = _history(result.mlflow_run_id, "env/requests")
+    assert len(requests) == STEPS and all(1.0 <= r <= 3.0 for r in requests)
+    failed = _history(result.mlflow_run_id, "rollout/failed_episodes")
+    assert sum(failed) <= 0.01 * STEPS * 64, failed  # 64 episodes a step
