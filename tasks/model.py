@@ -29,6 +29,7 @@ from flowrl.backends.model_uri import (
 from flowrl.backends.tiny_model import TinyModelSpec, build_tiny_model
 from flowrl.backends.types import WorkerSpec
 from flowrl.environments import registry
+from flowrl.environments.agent import AgentTask
 from flowrl.environments.data import ROW_FORMATS, StaticSource
 from flowrl.environments.plugin import play
 from flowrl.environments.timeouts import TimedEnv
@@ -145,9 +146,12 @@ def _warmup(cfg: RLJobConfig, ctx: JobContext, base_uri: str, keep_workers: bool
         )
         return WarmupResult(base_uri, accuracy=None, steps=0, cached=False, skipped=why)
     storage = Storage(ctx.storage_url)
-    code = _source_sha256(registry.load(cfg.env.name).target)  # an edited env re-runs warm-up
-    # Where episodes run (mode, service, actors, deadline) does not change what warm-up learns.
+    # Where episodes run (mode, service, actors, deadline) does not change what warm-up learns,
+    # nor who plays them: an agent is warmed up on its task's demonstrations, as the task is.
     env = cfg.env.model_dump(exclude={"mode", "service_url", "ray_actors", "step_timeout_s"})
+    if isinstance(task_cfg, AgentTask):
+        env |= {"name": task_cfg.task, "params": task_cfg.task_params}
+    code = _source_sha256(registry.load(env["name"]).target)  # an edited env re-runs warm-up
     key = stable_hash(base_uri, env, cfg.warmup.model_dump(), cfg.seed, code)
     rel = f"{ctx.cache_prefix}/warmup-{key}"
     if storage.exists(f"{rel}/{DONE_MARKER}"):
@@ -284,7 +288,9 @@ def job_lineage(cfg: TrainingJobConfig, base_uri: str) -> tracking.Lineage:
     files: list[tuple[str, str]] = []
     if env is not None:
         lineage.environment = env.name
-        lineage.environment_code = _source_sha256(registry.load(env.name).target)
+        target = registry.load(env.name).target
+        agent = isinstance(target, type) and issubclass(target, AgentTask)
+        lineage.environment_code = _source_sha256(target.agent if agent else target)
         files += [("train", v) for v in env.params.values() if _is_data_file(v)]
     for data in (getattr(env, "data", None), getattr(cfg, "data", None)):  # env's rows, SFT's
         if data is not None:

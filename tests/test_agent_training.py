@@ -1,6 +1,7 @@
-"""An agent of the user's own trains as it is (issue 42): examples/agents' plain ``openai``-SDK
-calculator agent, through rollout sessions, under ``rl_train`` on a real Prefect API, Ray and
-MLflow store. Fixed seeds; the bar is the e2e learning test's (tests/test_flow_e2e.py)."""
+"""Agents of the user's own train as they are (issue 42): examples/agents' plain ``openai``-SDK
+calculator agent and its LangGraph twin, through rollout sessions, under ``rl_train`` on a real
+Prefect API, Ray and MLflow store. Fixed seeds; the bar is the e2e learning test's
+(tests/test_flow_e2e.py). Both play one task, so the second reuses the first's warm-up."""
 
 from __future__ import annotations
 
@@ -29,13 +30,13 @@ OVERRIDES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def trained(prefect_api, flowrl_home):
+@pytest.fixture(scope="module", params=["calculator-agent", "langgraph-agent"])
+def trained(request, prefect_api, flowrl_home):
     from flowrl.flows.rl import rl_train
 
-    sys.path.insert(0, str(EXAMPLE))  # PYTHONPATH=examples/agents, as the example says
+    sys.path.insert(0, str(EXAMPLE))  # PYTHONPATH=examples/agents, as the examples say
     try:
-        config = load_job(str(EXAMPLE / "calculator-agent.yaml"), OVERRIDES)
+        config = load_job(str(EXAMPLE / f"{request.param}.yaml"), OVERRIDES)
         yield config, rl_train(config)
     finally:
         sys.path.remove(str(EXAMPLE))
@@ -48,7 +49,7 @@ def _history(run_id: str, metric: str) -> list[float]:
     return [m.value for m in points]
 
 
-def test_the_openai_sdk_calculator_agent_learns(trained):
+def test_the_agent_learns(trained):
     _, result = trained
     rewards = _history(result.mlflow_run_id, "reward/mean")
     assert len(rewards) == STEPS
