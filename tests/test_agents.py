@@ -145,3 +145,30 @@ def test_rollout_messages_are_the_tasks_opening():
     (t,), sampler = _play(_task("answer_once"), rows=[{"target": 7}])
     assert sampler.prompts[0][-1] != END
     assert ByteChat().decode(t.tokens[: t.prompt_len]).count("guess 0-9") == 1
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["env.name=agent:sample_agents:nope"], "has no attribute 'nope'"),
+        (["env.name=agent:no_such_module:run"], "cannot import module 'no_such_module'"),
+        (["env.name=agent:sample_agents:RuleSampler"], "is not a function"),
+        (["env.name=agent:sample_agents:answer_once", "env.params.task=chess"], "chess"),
+        (
+            [
+                "env.name=agent:sample_agents:answer_once",
+                "env.params.task=agent:sample_agents:raises",
+            ],
+            "not another agent",
+        ),
+        (["env.name=agent:sample_agents:answer_once", "env.params.timeout_s=0"], "timeout_s"),
+        (["env.name=agent:sample_agents:answer_once", "env.params.reward=x.y:z"], "reward"),
+        (["env.name=agent:sample_agents:answer_once", "env.mode=ray"], "'local' only"),
+    ],
+)
+def test_a_bad_agent_config_fails_before_the_job_naming_the_cause(overrides, named):
+    from flowrl.infra.configfile import ConfigError
+    from flowrl.tasks.schemas import load_job
+
+    with pytest.raises(ConfigError, match=named):
+        load_job(None, overrides)
