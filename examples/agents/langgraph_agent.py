@@ -60,7 +60,10 @@ async def run(rollout: AgentRollout) -> str:
         model=rollout.model, base_url=rollout.base_url, api_key=rollout.api_key, max_retries=0
     )
     system = [SystemMessage(rollout.system_prompt)] if rollout.system_prompt else []
-    state = await build_graph(model).ainvoke(
-        {"messages": [*system, HumanMessage(rollout.prompt)], "calls": 0}
-    )
+    try:
+        state = await build_graph(model).ainvoke(
+            {"messages": [*system, HumanMessage(rollout.prompt)], "calls": 0}
+        )
+    finally:
+        await model.root_async_client.close()  # its connections belong to this episode's loop
     return state["messages"][-1].content
