@@ -139,7 +139,7 @@ def render(rows: list, requests: int) -> str:
         "# The OpenAI-compatible endpoint: what the HTTP path costs",
         "",
         f"- date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; `python benchmarks/openai_endpoint.py "
-        "--out docs/benchmarks/openai_endpoint.md`",
+        f"--requests {requests} --out docs/benchmarks/openai_endpoint.md`",
         f"- machine: {os.cpu_count()} CPUs, no GPU; {THREADS} torch threads on each side",
         f"- {requests} requests one after another (the first, which loads the model, left out); "
         "each one user message (a 3-digit sum), `n` completions at temperature 1 "

@@ -16,13 +16,13 @@ from flowrl.tasks.schemas import load_job
 pytestmark = pytest.mark.e2e
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agents"
-STEPS = 40
+STEPS = 60
 # Warm-up stops at the first check at or over 0.2 (every 10 SFT steps): the tiny model learns
 # the call format abruptly, so this leaves RL room to improve whichever kernels ran it.
 OVERRIDES = [
     f"schedule.steps={STEPS}",
-    "schedule.eval_every=40",
-    "schedule.checkpoint_every=40",
+    "schedule.eval_every=60",
+    "schedule.checkpoint_every=60",
     "warmup.target_accuracy=0.2",
     "warmup.eval_every=10",
     "rollout.prompts_per_step=8",
