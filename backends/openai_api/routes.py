@@ -15,6 +15,7 @@ naming it. Besides the standard fields, a completion carries its token ids (``to
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import time
 from collections.abc import Iterator
@@ -80,21 +81,56 @@ def create_app(service: OpenAIService) -> FastAPI:
 
 
 async def json_object(request: Request) -> dict[str, Any]:
+    """The body as a JSON object, or a 422 naming why not. Besides text that is not JSON:
+    nesting deeper than the parser's recursion (``[[[…`` raises ``RecursionError``), and a
+    ``\\ud800``-style escape of a lone surrogate, valid JSON but no text: neither a tokenizer
+    nor a JSON answer quoting it can encode it (both were 500s, and uvicorn then dropped the
+    connection)."""
     try:
         body = await request.json()
     except ValueError:
         raise ServiceError(422, "malformed request: the body is not JSON") from None
+    except RecursionError:
+        raise ServiceError(422, "malformed request: the body is nested too deeply") from None
     if not isinstance(body, dict):
         raise ServiceError(422, "malformed request: the body is not a JSON object")
+    if _LONE_SURROGATE_ESCAPE.search(await request.body()) and not _is_text(body):
+        raise ServiceError(
+            422, "malformed request: a string holds a lone surrogate (\\ud800-\\udfff)"
+        )
     return body
+
+
+_LONE_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+"""The only way a lone surrogate gets into a parsed body (raw bytes must be valid UTF-8); a
+paired one (an escaped emoji) matches too and is checked by ``_is_text``."""
+
+
+def _is_text(value: Any) -> bool:
+    """Whether every string in a parsed JSON value (keys too) encodes as UTF-8; iterative, as
+    the value may be nested as deep as the parser went."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            todo += [*item.keys(), *item.values()]
+        elif isinstance(item, list):
+            todo += item
+        elif isinstance(item, str) and not item.isascii():
+            try:
+                item.encode()
+            except UnicodeEncodeError:
+                return False
+    return True
 
 
 def _chat(service: OpenAIService, namespace: str | None, body: dict[str, Any]) -> dict[str, Any]:
     """A chat completion (in a worker thread: loading and sampling block)."""
     check_parameters(body)
     if body.get("tools") or body.get("tool_choice") not in (None, "none"):
+        name = "tools" if body.get("tools") else "tool_choice"  # the parameter the caller sent
         raise ServiceError(
-            400, "tools: not supported yet (no chat family's tool-call syntax is parsed)"
+            400, f"{name}: not supported yet (no chat family's tool-call syntax is parsed)"
         )
     served = service.model(namespace, body.get("model"))
     prompt = _chat_prompt(served, body.get("messages"))
