@@ -38,8 +38,10 @@ up on exactly what it sends.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -78,12 +80,23 @@ class AgentRollout:
 
     def client(self, **kwargs: Any) -> Any:
         """An ``openai.AsyncOpenAI`` client on the session (the ``openai`` package is the
-        agent's own dependency). No retries by default: a retried request would be sampled
-        and recorded twice."""
+        agent's own dependency), on ``http_client()``. No retries by default: a retried request
+        would be sampled and recorded twice."""
         import openai
 
         kwargs.setdefault("max_retries", 0)
+        kwargs.setdefault("http_client", self.http_client())
         return openai.AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, **kwargs)
+
+    def http_client(self, asynchronous: bool = True) -> Any:
+        """An HTTP client (async, or not) as the ``openai`` package builds its own, but on one
+        TLS context shared by every episode of the process: a client of its own loads the
+        system's CA certificates again (~17 ms of CPU; for 64 episodes a step, the rollout's
+        main cost). For a framework's client, e.g. ``ChatOpenAI(http_async_client=...)``."""
+        import openai
+
+        build = openai.DefaultAsyncHttpxClient if asynchronous else openai.DefaultHttpxClient
+        return build(verify=_tls_context())
 
 
 class AgentTask(BaseModel):
@@ -167,6 +180,11 @@ class AgentTask(BaseModel):
             f"the agent returned {type(result).__name__}: return a reward (a number) or the "
             "final answer (text), or set env.params.reward"
         )
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    return ssl.create_default_context()
 
 
 def agent_task_class(target: str) -> type[AgentTask]:
