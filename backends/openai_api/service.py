@@ -154,7 +154,8 @@ class OpenAIService:
         """The loaded model ``name`` names for ``namespace`` (404 naming it when none)."""
         if not isinstance(name, str) or not name:
             raise ServiceError(400, "model: a model name is required")
-        key = (namespace, name)
+        # A base model of the catalogue is every namespace's: loaded once for all of them.
+        key = (None if name in self.catalogue else namespace, name)
         with self.lock:
             served = self.loaded.get(key)
             if served is not None:
