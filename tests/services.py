@@ -182,3 +182,11 @@ class TinkerServer(AppServer):
 
         self.service = service
         super().__init__(create_app(service), on_stop=service.close)
+
+
+def metric_history(run_id: str, metric: str) -> list[float]:
+    """An MLflow run's values of ``metric``, in step order (the job's tracking store)."""
+    from flowrl.infra.tracking import client
+
+    points = sorted(client().get_metric_history(run_id, metric), key=lambda m: m.step)
+    return [m.value for m in points]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from services import metric_history
 
 from flowrl.tasks.schemas import load_job
 
@@ -42,16 +43,9 @@ def trained(request, prefect_api, flowrl_home):
         sys.path.remove(str(EXAMPLE))
 
 
-def _history(run_id: str, metric: str) -> list[float]:
-    from flowrl.infra.tracking import client
-
-    points = sorted(client().get_metric_history(run_id, metric), key=lambda m: m.step)
-    return [m.value for m in points]
-
-
 def test_the_agent_learns(trained):
     _, result = trained
-    rewards = _history(result.mlflow_run_id, "reward/mean")
+    rewards = metric_history(result.mlflow_run_id, "reward/mean")
     assert len(rewards) == STEPS
     first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
     print(
@@ -64,7 +58,7 @@ def test_the_agent_learns(trained):
 
 def test_its_episodes_were_played_through_sessions_and_none_failed(trained):
     _, result = trained
-    requests = _history(result.mlflow_run_id, "env/requests")
+    requests = metric_history(result.mlflow_run_id, "env/requests")
     assert len(requests) == STEPS and all(1.0 <= r <= 3.0 for r in requests)
-    failed = _history(result.mlflow_run_id, "rollout/failed_episodes")
+    failed = metric_history(result.mlflow_run_id, "rollout/failed_episodes")
     assert sum(failed) <= 0.01 * STEPS * 64, failed  # 64 episodes a step

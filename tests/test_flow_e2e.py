@@ -13,6 +13,7 @@ import statistics
 
 import pytest
 import torch
+from services import metric_history
 
 from flowrl.tasks.schemas import load_job
 
@@ -39,16 +40,9 @@ def trained(prefect_api, flowrl_home):
     return config, rl_train(config)
 
 
-def _history(run_id: str, metric: str) -> list[float]:
-    from flowrl.infra.tracking import client
-
-    points = sorted(client().get_metric_history(run_id, metric), key=lambda m: m.step)
-    return [m.value for m in points]
-
-
 def test_reward_rises_with_fixed_seeds(trained):
     _, result = trained
-    rewards = _history(result.mlflow_run_id, "reward/mean")
+    rewards = metric_history(result.mlflow_run_id, "reward/mean")
     assert len(rewards) == STEPS
     first, last = statistics.mean(rewards[:20]), statistics.mean(rewards[-20:])
     print(f"reward/mean first 20 steps {first:.3f}, last 20 {last:.3f}")
@@ -70,7 +64,7 @@ def test_mlflow_run_has_per_step_metrics_and_artifacts(trained):
         "time/rollout_s",
         "time/update_s",
     ):
-        assert len(_history(result.mlflow_run_id, metric)) == STEPS, metric
+        assert len(metric_history(result.mlflow_run_id, metric)) == STEPS, metric
     assert run.data.params["rollout.group_size"] == "8"
     artifacts = {a.path for a in client().list_artifacts(result.mlflow_run_id)}
     assert {"reward_curve.png", "samples", "policy"} <= artifacts

@@ -8,6 +8,7 @@ Ray and MLflow (one 6-step job, ~50 s of its own on 2 cores)."""
 from __future__ import annotations
 
 import pytest
+from services import metric_history
 
 from flowrl.tasks.schemas import load_job
 from flowrl.tasks.types import RolloutBatch
@@ -102,18 +103,11 @@ def job(prefect_api, flowrl_home):
     return rl_train(config, return_state=True)
 
 
-def _history(run_id: str, metric: str) -> list[float]:
-    from flowrl.infra.tracking import client
-
-    points = sorted(client().get_metric_history(run_id, metric), key=lambda m: m.step)
-    return [m.value for m in points]
-
-
 @pytest.mark.e2e
 def test_batches_are_at_most_one_update_old(job):
     # Step 1 trains on weights v0's batch with the trainer at v0; every later batch was sampled
     # while the previous update ran: one update old. The update fails a step beyond that.
-    assert _history(job.result().mlflow_run_id, "train/staleness") == [0, 1, 1, 1, 1, 1]
+    assert metric_history(job.result().mlflow_run_id, "train/staleness") == [0, 1, 1, 1, 1, 1]
 
 
 @pytest.mark.e2e
