@@ -264,38 +264,51 @@ class HFChatFormat:
 
     # ------------------------------------------------------------------ the ChatFormat protocol
 
-    def encode_prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_prompt(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """Opening messages plus the generation prompt, as token ids (BOS, default system
-        message and all, exactly as the template renders them). Text-only prompts are
-        remembered (a GRPO group's episodes open with the same messages)."""
+        message and all, exactly as the template renders them). ``tools``: function
+        definitions the template renders (OpenAI's shape; the endpoint's tool calls).
+        Text-only prompts are remembered (a GRPO group's episodes open with the same
+        messages)."""
         try:
-            key = json.dumps(messages, sort_keys=True)
+            key = json.dumps([messages, tools], sort_keys=True)
         except TypeError:  # image bytes: rendered every time
-            return self._expand(self._render_ids(messages, generation_prompt=True))
+            return self._expand(self._render_ids(messages, True, tools))
         ids = self._prompts.get(key)
         if ids is None:
             if len(self._prompts) >= _PROMPT_MEMO_SIZE:
                 self._prompts.clear()
-            ids = self._prompts[key] = self._expand(self._render_ids(messages, True))
+            ids = self._prompts[key] = self._expand(self._render_ids(messages, True, tools))
         return list(ids)
 
     def encode_turn(self, message: dict[str, Any]) -> list[int]:
         """What follows a sampled turn's end-of-turn token: the template's separator, ``message``
         (user or tool) and the generation prompt."""
-        conversation = [*_BASE, {"role": "assistant", "content": _BASE_REPLY}, message]
-        text = self._render_text(conversation, generation_prompt=True)
+        return self.encode_turns([message])
+
+    def encode_turns(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """``encode_turn`` for several messages at once: rendered together, as the template
+        groups them (Qwen writes consecutive tool results into one user turn), with one
+        generation prompt after the last. ``tools``: the conversation's tool definitions."""
+        conversation = [*_BASE, {"role": "assistant", "content": _BASE_REPLY}, *messages]
+        role = messages[0].get("role") if messages else None
+        text = self._render_text(conversation, generation_prompt=True, tools=tools)
         start = text.index(_BASE_REPLY) + len(_BASE_REPLY)
         if not text.startswith(self.end_of_turn, start):
             raise ChatTemplateError(
                 f"{self.name}: the template does not end an assistant turn with "
-                f"{self.end_of_turn!r} when a {message.get('role')!r} message follows"
+                f"{self.end_of_turn!r} when a {role!r} message follows"
             )
         base = self._encode_text(text[: start + len(self.end_of_turn)])
-        ids = self._render_ids(conversation, generation_prompt=True)
+        ids = self._render_ids(conversation, generation_prompt=True, tools=tools)
         if ids[: len(base)] != base:
             raise ChatTemplateError(
                 f"{self.name}: the template renders the conversation before a new "
-                f"{message.get('role')!r} message differently once it is added"
+                f"{role!r} message differently once it is added"
             )
         return self._expand(ids[len(base) :])
 
@@ -387,15 +400,30 @@ class HFChatFormat:
             )
         return found
 
-    def _render_text(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
-        return self._raw_text(self.template_messages(messages), generation_prompt)
+    def _render_text(
+        self,
+        messages: list[dict[str, Any]],
+        generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        return self._raw_text(self.template_messages(messages), generation_prompt, tools)
 
-    def _raw_text(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
+    def _raw_text(
+        self,
+        messages: list[dict[str, Any]],
+        generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=generation_prompt, tokenize=False
+            messages, tools=tools, add_generation_prompt=generation_prompt, tokenize=False
         )
 
-    def _render_ids(self, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+    def _render_ids(
+        self,
+        messages: list[dict[str, Any]],
+        generation_prompt: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         has_parts = any(isinstance(m.get("content"), list) for m in messages)
         if has_parts and self.image_token_id is None:
             raise ValueError(
@@ -404,6 +432,7 @@ class HFChatFormat:
             )
         encoded = self.tokenizer.apply_chat_template(
             self.template_messages(messages),
+            tools=tools,
             add_generation_prompt=generation_prompt,
             tokenize=True,
             return_dict=False,

@@ -26,6 +26,22 @@ listing the family's eos ids. Nothing is downloaded.
   ``</s>`` after it, a system message prefixed to the first user turn; raises like Gemma's;
   eos id ``</s>``.
 
+Tool calls (``tools`` given to the template, assistant messages with ``tool_calls``), as the
+families' public templates write them:
+
+- ``chatml`` and ``qwen3`` (Hermes style): a ``# Tools`` block in the system message, one JSON
+  definition per line inside ``<tools></tools>`` (``chatml`` keeps its default system text
+  before it); an assistant tool call as ``<tool_call>\\n{"name": …, "arguments": …}\\n</tool_call>``
+  (several calls one after another); tool results as above;
+- ``llama3`` (3.1 JSON tool calling): ``Environment: ipython`` in the system header, the
+  definitions as indented JSON at the head of the first user message, an assistant tool call as
+  the JSON object ``{"name": …, "parameters": …}`` (one call per turn; more raise, as 3.1's own
+  template does), tool results in an ``ipython`` turn.
+
+A conversation without tools renders exactly as before tools were added (other tests rely on
+it). Llama 3.1's own template writes a string tool result through ``tojson`` (quoted); the
+fixture trims it, as it always has.
+
 ``teach`` makes a fixture answer every prompt with one fixed reply (greedy), so that real
 sampling produces canonical, multi-turn episodes whose text re-renders to the same tokens.
 """
@@ -51,8 +67,32 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-CHATML_TEMPLATE = r"""
-{%- if messages[0].role == 'system' -%}
+HERMES = {
+    "HERMES_TOOLS_OPEN": r"""'# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>'""",
+    "HERMES_TOOLS_CLOSE": r"""'\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'""",
+    "HERMES_CALL": r"""{%- set call = tool_call.function if tool_call.function is defined else tool_call -%}
+{{- '<tool_call>\n{"name": "' + call.name + '", "arguments": ' + (call.arguments if call.arguments is string else call.arguments | tojson) + '}\n</tool_call>' -}}""",
+}
+"""Qwen's tool syntax (Hermes style), as its templates write it: the ``# Tools`` block of the
+system message (a definition per line inside ``<tools></tools>``), and an assistant tool call
+(``tool_call`` in the loop) as a ``<tool_call>`` JSON block."""
+
+
+def _hermes(template: str) -> str:
+    for name, jinja in HERMES.items():
+        template = template.replace(name, jinja)
+    return template
+
+
+CHATML_TEMPLATE = _hermes(
+    r"""
+{%- if tools -%}
+{{- '<|im_start|>system\n' -}}
+{%- if messages[0].role == 'system' -%}{{- messages[0].content -}}{%- else -%}{{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' -}}{%- endif -%}
+{{- '\n\n' + HERMES_TOOLS_OPEN -}}
+{%- for tool in tools -%}{{- '\n' + tool | tojson -}}{%- endfor -%}
+{{- HERMES_TOOLS_CLOSE -}}
+{%- elif messages[0].role == 'system' -%}
 {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' -}}
 {%- else -%}
 {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' -}}
@@ -61,6 +101,14 @@ CHATML_TEMPLATE = r"""
 {%- if message.role == 'system' and loop.first -%}
 {%- elif message.role == 'user' or message.role == 'system' -%}
 {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}
+{%- elif message.role == 'assistant' and message.tool_calls -%}
+{{- '<|im_start|>assistant' -}}
+{%- if message.content -%}{{- '\n' + message.content -}}{%- endif -%}
+{%- for tool_call in message.tool_calls -%}
+{{- '\n' -}}
+HERMES_CALL
+{%- endfor -%}
+{{- '<|im_end|>\n' -}}
 {%- elif message.role == 'assistant' -%}
 {{- '<|im_start|>assistant\n' + message.content + '<|im_end|>\n' -}}
 {%- elif message.role == 'tool' -%}
@@ -71,8 +119,17 @@ CHATML_TEMPLATE = r"""
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}
 """
+)
 
-QWEN3_TEMPLATE = r"""
+QWEN3_TEMPLATE = _hermes(
+    r"""
+{%- if tools -%}
+{{- '<|im_start|>system\n' -}}
+{%- if messages[0].role == 'system' -%}{{- messages[0].content + '\n\n' -}}{%- endif -%}
+{{- HERMES_TOOLS_OPEN -}}
+{%- for tool in tools -%}{{- '\n' + tool | tojson -}}{%- endfor -%}
+{{- HERMES_TOOLS_CLOSE -}}
+{%- endif -%}
 {%- set ns = namespace(last_query=-1) -%}
 {%- for message in messages -%}
 {%- if message.role == 'user' and not message.content.startswith('<tool_response>') -%}
@@ -80,10 +137,11 @@ QWEN3_TEMPLATE = r"""
 {%- endif -%}
 {%- endfor -%}
 {%- for message in messages -%}
-{%- if message.role == 'user' or message.role == 'system' -%}
+{%- if message.role == 'system' and loop.first and tools -%}
+{%- elif message.role == 'user' or message.role == 'system' -%}
 {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}
 {%- elif message.role == 'assistant' -%}
-{%- set content = message.content -%}
+{%- set content = message.content if message.content is string else '' -%}
 {%- set reasoning = '' -%}
 {%- if '</think>' in content -%}
 {%- set reasoning = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') -%}
@@ -94,6 +152,10 @@ QWEN3_TEMPLATE = r"""
 {%- else -%}
 {{- '<|im_start|>assistant\n' + content -}}
 {%- endif -%}
+{%- for tool_call in message.tool_calls or [] -%}
+{%- if (loop.first and content) or not loop.first -%}{{- '\n' -}}{%- endif -%}
+HERMES_CALL
+{%- endfor -%}
 {{- '<|im_end|>\n' -}}
 {%- elif message.role == 'tool' -%}
 {%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}
@@ -106,9 +168,11 @@ QWEN3_TEMPLATE = r"""
 {%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\n\n</think>\n\n' -}}{%- endif -%}
 {%- endif -%}
 """
+)
 
 LLAMA3_TEMPLATE = r"""
 {{- bos_token -}}
+{%- if tools is not defined -%}{%- set tools = none -%}{%- endif -%}
 {%- if messages[0].role == 'system' -%}
 {%- set system = messages[0].content | trim -%}
 {%- set rest = messages[1:] -%}
@@ -117,11 +181,25 @@ LLAMA3_TEMPLATE = r"""
 {%- set rest = messages -%}
 {%- endif -%}
 {{- '<|start_header_id|>system<|end_header_id|>\n\n' -}}
+{%- if tools is not none -%}{{- 'Environment: ipython\n' -}}{%- endif -%}
 {{- 'Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n' -}}
 {{- system + '<|eot_id|>' -}}
+{%- if tools is not none -%}
+{%- if not rest -%}{{- raise_exception('Cannot put tools in the first user message when there is no first user message!') -}}{%- endif -%}
+{{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}
+{{- 'Given the following functions, please respond with a JSON for a function call with its proper arguments that best answers the given prompt.\n\n' -}}
+{{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.Do not use variables.\n\n' -}}
+{%- for t in tools -%}{{- t | tojson(indent=4) + '\n\n' -}}{%- endfor -%}
+{{- rest[0].content | trim + '<|eot_id|>' -}}
+{%- set rest = rest[1:] -%}
+{%- endif -%}
 {%- for message in rest -%}
 {%- if message.role == 'tool' or message.role == 'ipython' -%}
 {{- '<|start_header_id|>ipython<|end_header_id|>\n\n' + message.content | trim + '<|eot_id|>' -}}
+{%- elif message.role == 'assistant' and message.tool_calls -%}
+{%- if message.tool_calls | length != 1 -%}{{- raise_exception('This model only supports single tool-calls at once!') -}}{%- endif -%}
+{%- set call = message.tool_calls[0].function if message.tool_calls[0].function is defined else message.tool_calls[0] -%}
+{{- '<|start_header_id|>assistant<|end_header_id|>\n\n{"name": "' + call.name + '", "parameters": ' + call.arguments | tojson + '}<|eot_id|>' -}}
 {%- else -%}
 {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\n\n' + message.content | trim + '<|eot_id|>' -}}
 {%- endif -%}
@@ -189,7 +267,8 @@ COUNTING_TEMPLATE = r"""
 """
 """A template that cannot be rendered incrementally: its system line counts the messages."""
 
-TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+TOOL_CALL_TAGS = ("<tool_call>", "</tool_call>")
+TAGS = (*TOOL_CALL_TAGS, "<tool_response>", "</tool_response>")
 
 
 @dataclass(frozen=True)
@@ -343,11 +422,17 @@ def build_tokenizer(family: Family, vocab_size: int = 700) -> PreTrainedTokenize
     extra: dict[str, Any] = {"pad_token": family.pad} if family.pad else {}
     if family.bos:
         extra["bos_token"] = family.bos
+    # transformers' sanitize_control_tokens writes the added tokens that the template's literals
+    # contain as plain text when a message holds them. The fixtures keep the set they had before
+    # their templates wrote tool calls: a <tool_call> in an environment's text stays one token
+    # (tests/test_model_families.py's tool_math episodes rely on it).
+    control = [t for t in family.tags if t in family.template and t not in TOOL_CALL_TAGS]
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
         eos_token=family.eos,
         chat_template=family.template.strip(),
         clean_up_tokenization_spaces=False,
+        chat_control_tokens=[*family.specials, *control],
         **extra,
     )
 

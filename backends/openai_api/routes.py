@@ -2,7 +2,9 @@
 
 - ``GET /v1/models``, ``GET /v1/models/{id}``;
 - ``POST /v1/chat/completions``: messages rendered by the model's chat template, streaming
-  (server-sent events, ``data: [DONE]`` last) or not;
+  (server-sent events, ``data: [DONE]`` last) or not; with ``tools``, the answer's tool calls
+  in the family's syntax become ``tool_calls`` (``tools.py``; streamed in one delta with the
+  content, as the completion is sampled whole first);
 - ``POST /v1/completions``: a text prompt (or token ids) continued as it is, no template.
 
 Behind the serving layer's guard (``infra.serving.guarded_app``): keys (``Authorization:
@@ -30,6 +32,14 @@ from flowrl.backends.openai_api.service import (
     OpenAIService,
     Served,
     check_parameters,
+)
+from flowrl.backends.openai_api.tools import (
+    ToolRequest,
+    answer_message,
+    check_expressible,
+    for_template,
+    request_tool_calls,
+    tool_request,
 )
 from flowrl.infra.serving import ServiceError, guarded_app
 
@@ -127,15 +137,14 @@ def _is_text(value: Any) -> bool:
 def _chat(service: OpenAIService, namespace: str | None, body: dict[str, Any]) -> dict[str, Any]:
     """A chat completion (in a worker thread: loading and sampling block)."""
     check_parameters(body)
-    if body.get("tools") or body.get("tool_choice") not in (None, "none"):
-        name = "tools" if body.get("tools") else "tool_choice"  # the parameter the caller sent
-        raise ServiceError(
-            400, f"{name}: not supported yet (no chat family's tool-call syntax is parsed)"
-        )
+    tools = tool_request(body)
     served = service.model(namespace, body.get("model"))
-    prompt = _chat_prompt(served, body.get("messages"))
+    messages = request_messages(body.get("messages"))
+    check_expressible(served.chat, tools, messages)
+    prompt = _chat_prompt(served, messages, tools)
     completions = service.sample(served, prompt, body)
-    return chat_answer(served, prompt, completions, bool(body.get("logprobs")))
+    answers = [answer_message(served.chat, c.text, tools) for c in completions]
+    return chat_answer(served, prompt, completions, answers, bool(body.get("logprobs")))
 
 
 def _complete(
@@ -143,35 +152,55 @@ def _complete(
 ) -> dict[str, Any]:
     """A text completion (in a worker thread)."""
     check_parameters(body)
+    for name in ("tools", "tool_choice"):
+        if body.get(name) is not None:
+            raise ServiceError(400, f"{name}: chat completions only (/v1/chat/completions)")
     served = service.model(namespace, body.get("model"))
     prompt = _text_prompt(served, body.get("prompt"))
     sampled = service.sample(served, prompt, body)
     return _text_answer(served, prompt, sampled, bool(body.get("logprobs")))
 
 
-def request_messages(messages: Any) -> list[dict[str, str]]:
+def request_messages(messages: Any) -> list[dict[str, Any]]:
     """A request's messages as ``{"role", "content"}`` with text content (``developer`` is a
-    system message); 400 naming the first that is not."""
+    system message); an assistant message's ``tool_calls`` kept (its content may then be null:
+    ``""``), a tool message's ``tool_call_id`` too. 400 naming the first message that is not
+    one."""
     if not isinstance(messages, list) or not messages or len(messages) > 256:
         raise ServiceError(400, "messages: a list of 1 to 256 messages")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, dict) or message.get("role") not in _ROLES:
-            raise ServiceError(400, f"messages[{i}]: role one of {', '.join(_ROLES)}")
-        role = "system" if message["role"] == "developer" else message["role"]
-        out.append({"role": role, "content": _text(message.get("content"), i)})
+    return [_message(message, i) for i, message in enumerate(messages)]
+
+
+def _message(message: Any, i: int) -> dict[str, Any]:
+    if not isinstance(message, dict) or message.get("role") not in _ROLES:
+        raise ServiceError(400, f"messages[{i}]: role one of {', '.join(_ROLES)}")
+    role = "system" if message["role"] == "developer" else message["role"]
+    calls = request_tool_calls(message.get("tool_calls"), f"messages[{i}].tool_calls")
+    if calls and role != "assistant":
+        raise ServiceError(400, f"messages[{i}].tool_calls: on assistant messages only")
+    content = message.get("content")
+    text = "" if calls and content is None else _text(content, i)
+    out: dict[str, Any] = {"role": role, "content": text}
+    if calls:
+        out["tool_calls"] = calls
+    call_id = message.get("tool_call_id")
+    if role == "tool" and call_id is not None:
+        if not isinstance(call_id, str):
+            raise ServiceError(400, f"messages[{i}].tool_call_id: a string")
+        out["tool_call_id"] = call_id
     return out
 
 
-def _chat_prompt(served: Served, messages: Any) -> list[int]:
-    """The messages as the model's chat template renders them, generation prompt included."""
+def _chat_prompt(served: Served, messages: list[dict[str, Any]], tools: ToolRequest) -> list[int]:
+    """The messages as the model's chat template renders them (with the request's tool
+    definitions), generation prompt included."""
     from jinja2 import TemplateError
 
     from flowrl.backends.chat import ChatTemplateError
 
-    rendered = request_messages(messages)
+    rendered = for_template(messages)
     try:
-        return served.chat.encode_prompt(served.chat.template_messages(rendered))
+        return served.chat.encode_prompt(rendered, tools.template_tools)
     except (ChatTemplateError, TemplateError) as err:
         why = served.chat.refusal(rendered) or str(err)
         raise ServiceError(400, f"messages: {why}"[:300]) from None
@@ -223,14 +252,22 @@ def _usage(prompt: list[int], completions: list[Completion]) -> dict[str, int]:
 
 
 def chat_answer(
-    served: Any, prompt: list[int], completions: list[Completion], logprobs: bool
+    served: Any,
+    prompt: list[int],
+    completions: list[Completion],
+    answers: list[dict[str, Any]],
+    logprobs: bool,
 ) -> dict[str, Any]:
+    """A chat completion: per completion its answer message (``tools.answer_message``), its
+    ``finish_reason`` ("tool_calls" when the answer calls tools and ended by itself) and its
+    sampled ``token_ids``."""
     choices = []
-    for i, c in enumerate(completions):
+    for i, (c, message) in enumerate(zip(completions, answers, strict=True)):
+        calls = c.finish_reason == "stop" and message.get("tool_calls")
         choice: dict[str, Any] = {
             "index": i,
-            "message": {"role": "assistant", "content": served.chat.response(c.text)},
-            "finish_reason": c.finish_reason,
+            "message": message,
+            "finish_reason": "tool_calls" if calls else c.finish_reason,
             "logprobs": _logprobs(served, c) if logprobs else None,
             "token_ids": c.tokens,
         }
@@ -280,18 +317,19 @@ def _event(data: dict[str, Any]) -> str:
 
 
 def _chat_stream(answer: dict[str, Any]) -> Iterator[str]:
-    """The answer as chat completion chunks: per choice its role, its content and its end
-    (the completion is sampled whole, then sent)."""
+    """The answer as chat completion chunks: per choice its role, its content and tool calls
+    (one delta) and its end (the completion is sampled whole, then sent)."""
     head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
     for choice in answer["choices"]:
         i = choice["index"]
         message = choice["message"]
         yield _event(head | {"choices": [{"index": i, "delta": {"role": "assistant"}}]})
-        delta = {
-            "index": i,
-            "delta": {"content": message["content"]},
-            "token_ids": choice["token_ids"],
-        }
+        content: dict[str, Any] = {"content": message["content"]}
+        if message.get("tool_calls"):
+            content["tool_calls"] = [
+                {"index": j, **call} for j, call in enumerate(message["tool_calls"])
+            ]
+        delta = {"index": i, "delta": content, "token_ids": choice["token_ids"]}
         if choice["logprobs"] is not None:
             delta["logprobs"] = choice["logprobs"]
         yield _event(head | {"choices": [delta]})

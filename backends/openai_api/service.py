@@ -15,8 +15,9 @@ and kept while it is among the ``resident_models`` most recently used; its chat 
 family's (``backends.chat.HFChatFormat``), as a job's. Sampling a model is one call at a time.
 
 Parameters the engine cannot honour are refused with a 400 naming them, never changed
-silently: ``top_p`` other than 1, penalties, ``logit_bias``, ``response_format``, tools (this
-part: no family's tool-call syntax is parsed yet), more than ``top_logprobs: 0``.
+silently: ``top_p`` other than 1, penalties, ``logit_bias``, ``response_format``, more than
+``top_logprobs: 0``; of the tool parameters (``tools.py``), tools for a family that cannot
+express them, ``tool_choice`` other than ``auto``/``none``, ``parallel_tool_calls: false``.
 """
 
 from __future__ import annotations

@@ -6,11 +6,17 @@ A session is opened per episode (``SessionTable.open``) with a key of its own; i
 one rollout cannot read or write another's session, and a closed session answers 404.
 
 Token-exact multi-turn: when a request's messages are the previous request's messages, then
-the answer the endpoint gave (as text, unchanged), then new user or tool messages, its prompt
-is built from tokens, not re-rendered text: the previous prompt + the sampled completion (+ the
-end-of-turn token when the completion had none) + each new message's rendering
-(``ChatFormat.encode_turn``). Any other request (the agent rewrote its history) is rendered
-from its messages, and ``trajectories_from_turns`` starts a new trajectory there.
+the answer the endpoint gave (its content and its tool calls, ids and ``arguments`` strings
+unchanged; a null content echoed as null or ``""``), then new user or tool messages, and its
+tool definitions are the previous request's, its prompt is built from tokens, not re-rendered
+text: the previous prompt + the sampled completion (+ the end-of-turn token when the
+completion had none) + the new messages' rendering (``HFChatFormat.encode_turns``: several
+tool results together, as the template groups them). Any other request (the agent rewrote its
+history, or changed its tools) is rendered from its messages, and ``trajectories_from_turns``
+starts a new trajectory there.
+
+Tools (``tools.py``): a session request may carry ``tools`` when the policy's chat family can
+express them; the answer's tool calls come back as ``tool_calls``.
 
 Requests of all sessions are sampled in batches (``Batcher``): what arrives within a few
 milliseconds of the first pending request goes to the sampler in one call (by temperature),
@@ -24,13 +30,22 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
 from flowrl.agent_loop.recorded import Turn
-from flowrl.agent_loop.types import ChatFormat, SampleResult
+from flowrl.agent_loop.types import SampleResult
+from flowrl.backends.openai_api.tools import (
+    ToolRequest,
+    answer_message,
+    echoed,
+    for_template,
+)
 from flowrl.infra.serving import ServiceError
+
+if TYPE_CHECKING:
+    from flowrl.backends.chat import HFChatFormat
 
 SampleFn = Callable[[list[list[int]], int, float, int], list[SampleResult]]
 """``(prompts, max_new_tokens, temperature, seed) -> results``: the policy's sampler."""
@@ -122,20 +137,23 @@ class ContextFull(ServiceError):
 
 @dataclass
 class Session:
-    """One episode's session: its key, its recorded turns, and what the last answer was."""
+    """One episode's session: its key, its recorded turns, and what the last request and its
+    answer were (the answer as the agent's echo of it reads: ``tools.echoed``)."""
 
     session_id: str
     key: str
     turns: list[Turn] = field(default_factory=list)
     last_messages: list[dict[str, Any]] = field(default_factory=list)
-    last_answer: str | None = None
+    last_answer: dict[str, Any] | None = None
+    last_tools: list[dict[str, Any]] = field(default_factory=list)
     closed: bool = False
 
 
 class SessionTable:
-    """The open rollout sessions of one process, sampling through one ``Batcher``."""
+    """The open rollout sessions of one process, sampling through one ``Batcher``; ``chat``
+    is the policy's chat format (its template renders the tools and the new messages)."""
 
-    def __init__(self, chat: ChatFormat, batcher: Batcher, context_length: int, max_tokens: int):
+    def __init__(self, chat: HFChatFormat, batcher: Batcher, context_length: int, max_tokens: int):
         self.chat = chat
         self.batcher = batcher
         self.context_length = context_length
@@ -165,27 +183,31 @@ class SessionTable:
             raise ServiceError(404, f"no session {session_id[:40]!r}")
         return session
 
-    def prompt(self, session: Session, messages: list[dict[str, Any]]) -> list[int]:
+    def prompt(
+        self,
+        session: Session,
+        messages: list[dict[str, Any]],
+        tools: ToolRequest | None = None,
+    ) -> list[int]:
         """The request's prompt: from the previous turn's tokens when the messages continue
-        it, else rendered from the messages."""
+        it (with the same tool definitions), else rendered from the messages."""
+        tools = tools or ToolRequest()
         last = session.turns[-1] if session.turns else None
         k = len(session.last_messages)
+        new = messages[k + 1 :]
         continues = (
             last is not None
             and len(messages) > k + 1
             and messages[:k] == session.last_messages
-            and messages[k].get("role") == "assistant"
-            and messages[k].get("content") == session.last_answer
-            and all(m.get("role") in ("user", "tool") for m in messages[k + 1 :])
+            and messages[k] == session.last_answer
+            and tools.definitions == session.last_tools
+            and all(m.get("role") in ("user", "tool") for m in new)
         )
-        as_template = getattr(self.chat, "template_messages", lambda m: m)
         if not continues:
-            return self.chat.encode_prompt(as_template(messages))
+            return self.chat.encode_prompt(for_template(messages), tools.template_tools)
         assert last is not None
         tokens = last.prompt + last.completion + self.chat.closing(list(last.completion))
-        for message in as_template(messages[k + 1 :]):
-            tokens += self.chat.encode_turn(message)
-        return tokens
+        return tokens + self.chat.encode_turns(new, tools.template_tools)
 
     def complete(
         self,
@@ -193,12 +215,15 @@ class SessionTable:
         messages: list[dict[str, Any]],
         max_tokens: int | None,
         temperature: float,
-    ) -> tuple[list[int], SampleResult, str]:
-        """Sample the session's next turn; (prompt, result, the answer's text) — recorded."""
+        tools: ToolRequest | None = None,
+    ) -> tuple[list[int], SampleResult, dict[str, Any]]:
+        """Sample the session's next turn; (prompt, result, the answer message: content and
+        tool calls) — recorded."""
         from jinja2 import TemplateError
 
+        tools = tools or ToolRequest()
         try:
-            prompt = self.prompt(session, messages)
+            prompt = self.prompt(session, messages, tools)
         except (TemplateError, ValueError) as err:  # the template refuses these messages
             raise ServiceError(400, f"messages: {err}"[:300]) from None
         room = self.context_length - len(prompt)
@@ -212,8 +237,7 @@ class SessionTable:
         result = self.batcher.sample(prompt, budget, temperature)
         stopped = result.finish_reason == "stop"
         body = result.tokens[:-1] if stopped else result.tokens
-        text = self.chat.response(self.chat.decode(list(body)))
-        answer = {"role": "assistant", "content": text}
+        answer = answer_message(self.chat, self.chat.decode(list(body)), tools)
         session.turns.append(
             Turn(
                 prompt,
@@ -223,8 +247,9 @@ class SessionTable:
                 [*messages, answer],
             )
         )
-        session.last_messages, session.last_answer = list(messages), text
-        return prompt, result, text
+        session.last_messages, session.last_answer = list(messages), echoed(answer)
+        session.last_tools = tools.definitions
+        return prompt, result, answer
 
 
 def create_session_app(table: SessionTable, temperature: float) -> Any:
@@ -236,6 +261,7 @@ def create_session_app(table: SessionTable, temperature: float) -> Any:
 
     from flowrl.backends.openai_api.routes import chat_answer, json_object, request_messages
     from flowrl.backends.openai_api.service import Completion, check_parameters
+    from flowrl.backends.openai_api.tools import check_expressible, tool_request
     from flowrl.infra.serving import Keys, ServingLimits, guarded_app, presented_key
 
     app = guarded_app("flowrl rollout sessions", Keys(None), ServingLimits())
@@ -245,9 +271,11 @@ def create_session_app(table: SessionTable, temperature: float) -> Any:
         session = table.session(session_id, presented_key(request.headers))
         body = await json_object(request)
         check_parameters(body)
-        for name in ("n", "stream", "tools"):
-            if body.get(name) not in (None, 1, False, [], "none"):
-                raise ServiceError(400, f"{name}: not supported in a rollout session")
+        if body.get("n") not in (None, 1) or body.get("n") is True:
+            raise ServiceError(400, "n: not supported in a rollout session")
+        if body.get("stream") not in (None, False):
+            raise ServiceError(400, "stream: not supported in a rollout session")
+        tools = tool_request(body)
         asked = body.get("temperature")
         if asked is not None and asked != temperature:
             raise ServiceError(
@@ -256,19 +284,20 @@ def create_session_app(table: SessionTable, temperature: float) -> Any:
                 f"(rollout.temperature), got {asked!r}; leave it unset",
             )
         messages = request_messages(body.get("messages"))
+        check_expressible(table.chat, tools, messages)
         asked_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         if asked_tokens is not None and (
             not isinstance(asked_tokens, int) or isinstance(asked_tokens, bool) or asked_tokens < 1
         ):
             raise ServiceError(400, f"max_tokens: a positive integer, got {str(asked_tokens)[:40]}")
-        prompt, result, text = await run_in_threadpool(
-            table.complete, session, messages, asked_tokens, temperature
+        prompt, result, answer = await run_in_threadpool(
+            table.complete, session, messages, asked_tokens, temperature, tools
         )
         finish = "stop" if result.finish_reason == "stop" else "length"
+        text = answer["content"] or ""
         completion = Completion(list(result.tokens), list(result.logprobs), finish, text)
-        return chat_answer(
-            _View(table.chat, "policy"), prompt, [completion], bool(body.get("logprobs"))
-        )
+        view = _View(table.chat, "policy")
+        return chat_answer(view, prompt, [completion], [answer], bool(body.get("logprobs")))
 
     return app
 
