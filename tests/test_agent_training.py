@@ -18,15 +18,13 @@ pytestmark = pytest.mark.e2e
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "agents"
 STEPS = 60
-# Warm-up stops at the first check at or over 0.2 (every 10 SFT steps): the tiny model learns
+# Warm-up stops at the first check at or over 0.3 (every 10 SFT steps): the tiny model learns
 # the call format abruptly, so this leaves RL room to improve whichever kernels ran it.
 OVERRIDES = [
     f"schedule.steps={STEPS}",
     "schedule.eval_every=60",
     "schedule.checkpoint_every=60",
-    "warmup.target_accuracy=0.2",
     "warmup.eval_every=10",
-    "rollout.prompts_per_step=8",
     "env.params.task_params.eval_size=50",
 ]
 
@@ -61,4 +59,4 @@ def test_its_episodes_were_played_through_sessions_and_none_failed(trained):
     requests = metric_history(result.mlflow_run_id, "env/requests")
     assert len(requests) == STEPS and all(1.0 <= r <= 3.0 for r in requests)
     failed = metric_history(result.mlflow_run_id, "rollout/failed_episodes")
-    assert sum(failed) <= 0.01 * STEPS * 64, failed  # 64 episodes a step
+    assert sum(failed) <= 0.01 * STEPS * 128, failed  # 128 episodes a step
