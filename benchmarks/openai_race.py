@@ -216,7 +216,7 @@ def unsupported(rng: random.Random) -> Call:
     name, value = rng.choice([
         ("top_p", 0.5), ("logit_bias", {"1": 5}), ("response_format", {"type": "json_object"}),
         ("presence_penalty", 0.5), ("frequency_penalty", 1.0), ("top_logprobs", 3),
-        ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "required"),
         ("functions", [{"name": "f"}]), ("best_of", 2),
     ])  # fmt: skip
     return Call("POST", "/v1/chat/completions", body=_json(_chat(**{name: value})), names=name)

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from flowrl.agent_loop.agents import run_agent_episodes
 from flowrl.agent_loop.loop import LoopLimits, run_episodes
 from flowrl.agent_loop.types import Trajectory
 from flowrl.backends.actors import PolicyRef
@@ -18,6 +17,7 @@ from flowrl.environments.agent import AgentTask
 from flowrl.environments.registry import AGENT_PREFIX
 from flowrl.environments.remote import env_factory_for
 from flowrl.environments.types import Environment
+from flowrl.tasks.agent_episodes import run_agent_episodes
 from flowrl.tasks.seeding import SeededSampler, derived_seed
 from flowrl.tasks.types import EvalResult
 
@@ -49,7 +49,7 @@ def run_group_episodes(
     ``envs_from`` is a task config (in-process environments from its ``make_env()``), a
     factory ``make_env(episode_id)`` such as ``environments.remote.EnvFactory``, or an agent's
     task (``episode_source``), whose episodes the agent plays through rollout sessions
-    (``agent_loop.agents``).
+    (``tasks.agent_episodes``).
     """
     agent = envs_from if isinstance(envs_from, AgentTask) else None
     make_env = envs_from if callable(envs_from) else (lambda _id: envs_from.make_env())

@@ -54,11 +54,18 @@ class ByteChat:
                 body += [IMAGE] * IMAGE_TOKENS if image else text_ids(part["text"])
         return [_ROLE_IDS[message["role"]], *body, END]
 
-    def encode_prompt(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_prompt(self, messages: list[dict[str, str]], tools: Any = None) -> list[int]:
+        assert not tools, "ByteChat has no tool syntax"
         return [t for m in messages for t in self.encode_message(m)] + [ASSISTANT]
 
     def encode_turn(self, message: dict[str, str]) -> list[int]:
-        return self.encode_message(message) + [ASSISTANT]
+        return self.encode_turns([message])
+
+    def encode_turns(self, messages: list[dict[str, str]], tools: Any = None) -> list[int]:
+        """Several messages after a sampled turn, one generation prompt after the last (as
+        ``HFChatFormat.encode_turns``; the rollout sessions use it)."""
+        assert not tools, "ByteChat has no tool syntax"
+        return [t for m in messages for t in self.encode_message(m)] + [ASSISTANT]
 
     def closing(self, sampled: list[int]) -> list[int]:
         return [] if sampled[-1:] == [END] else [END]

@@ -16,10 +16,10 @@ import sample_agents
 from fakes import END, ByteChat, say
 from sample_agents import LOGPROB, RuleSampler
 
-from flowrl.agent_loop.agents import run_agent_episodes
 from flowrl.agent_loop.loop import LoopLimits
 from flowrl.agent_loop.types import StopReason
 from flowrl.environments.registry import make_task
+from flowrl.tasks.agent_episodes import run_agent_episodes
 
 ROWS = [{"target": 7}, {"target": 3}]
 LIMITS = LoopLimits(max_turns=3, max_new_tokens=8, max_context_tokens=120, temperature=1.0)
