@@ -45,9 +45,9 @@ def test_the_agent_learns(trained):
     _, result = trained
     rewards = metric_history(result.mlflow_run_id, "reward/mean")
     assert len(rewards) == STEPS
-    first, last = statistics.mean(rewards[:10]), statistics.mean(rewards[-10:])
+    first, last = statistics.mean(rewards[:20]), statistics.mean(rewards[-20:])
     print(
-        f"reward/mean first 10 steps {first:.3f}, last 10 {last:.3f}; held-out accuracy "
+        f"reward/mean first 20 steps {first:.3f}, last 20 {last:.3f}; held-out accuracy "
         f"{result.accuracy_start:.3f} -> {result.accuracy_end:.3f}"
     )
     assert last > first + 0.05, (first, last)
