@@ -15,6 +15,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from flowrl.infra.servers import free_port, wait_for_http
 from flowrl.infra.serving import BackgroundServer
@@ -190,3 +191,37 @@ def metric_history(run_id: str, metric: str) -> list[float]:
 
     points = sorted(client().get_metric_history(run_id, metric), key=lambda m: m.step)
     return [m.value for m in points]
+
+
+@contextlib.contextmanager
+def session_endpoint(
+    folder: str, cache_dir: str, temperature: float, context_length: int, max_tokens: int
+) -> Iterator[tuple]:
+    """Rollout sessions (``backends.openai_api.sessions``) on the model in ``folder``, behind
+    uvicorn, with its sampler and a trainer in this process: (table, server, trainer)."""
+    from flowrl.backends.chat import HFChatFormat
+    from flowrl.backends.hf_workers import HFSampler, TorchTrainer
+    from flowrl.backends.openai_api.sessions import Batcher, SessionTable, create_session_app
+    from flowrl.backends.types import WorkerSpec
+
+    spec = WorkerSpec(model_uri=folder, cache_dir=cache_dir)
+    sampler, trainer = HFSampler(spec), TorchTrainer(spec)
+    batcher = Batcher(lambda p, n, t, s: sampler.sample(p, n, t, s), seed=1)
+    table = SessionTable(HFChatFormat.from_folder(folder), batcher, context_length, max_tokens)
+    server = AppServer(create_session_app(table, temperature))
+    try:
+        yield table, server, trainer
+    finally:
+        server.stop()
+        batcher.close()
+
+
+def session_client(server: AppServer, session) -> Any:  # noqa: ANN001 - a sessions.Session
+    """The ``openai`` client an agent would build for ``session``."""
+    import openai
+
+    return openai.OpenAI(
+        base_url=f"{server.url}/sessions/{session.session_id}/v1",
+        api_key=session.key,
+        max_retries=0,
+    )

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from families import FAMILIES, build_family
-from services import AppServer
+from services import session_client, session_endpoint
 
 from flowrl.agent_loop.recorded import Turn, trajectories_from_turns
 from flowrl.agent_loop.types import StopReason
@@ -59,33 +59,10 @@ TEMPERATURE = 1.0
 @pytest.fixture(scope="module", params=["qwen3", "llama3"])
 def family(request, tmp_path_factory) -> Iterator[tuple]:
     """A session endpoint on a family fixture's model: sampler and trainer in this process."""
-    from flowrl.backends.chat import HFChatFormat
-    from flowrl.backends.hf_workers import HFSampler, TorchTrainer
-    from flowrl.backends.openai_api.sessions import (
-        Batcher,
-        SessionTable,
-        create_session_app,
-    )
-    from flowrl.backends.types import WorkerSpec
-
     folder = build_family(FAMILIES[request.param], tmp_path_factory.mktemp(request.param))
-    spec = WorkerSpec(model_uri=folder, cache_dir=str(tmp_path_factory.mktemp("cache")))
-    sampler, trainer = HFSampler(spec), TorchTrainer(spec)
-    chat = HFChatFormat.from_folder(folder)
-    batcher = Batcher(lambda p, n, t, s: sampler.sample(p, n, t, s), seed=1)
-    table = SessionTable(chat, batcher, context_length=512, max_tokens=12)
-    server = AppServer(create_session_app(table, TEMPERATURE))
-    yield table, server, trainer
-    server.stop()
-    batcher.close()
-
-
-def _client(server: AppServer, session) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{server.url}/sessions/{session.session_id}/v1",
-        api_key=session.key,
-        max_retries=0,
-    )
+    cache = str(tmp_path_factory.mktemp("cache"))
+    with session_endpoint(folder, cache, TEMPERATURE, context_length=512, max_tokens=12) as out:
+        yield out
 
 
 def _ask(client: openai.OpenAI, messages: list[dict]) -> tuple[str, list[int]]:
@@ -99,7 +76,7 @@ def test_a_multi_turn_episode_trains_exactly_the_sampled_tokens(family):
 
     table, server, trainer = family
     session = table.open()
-    client = _client(server, session)
+    client = session_client(server, session)
     messages = [
         {"role": "system", "content": "You add numbers."},
         {"role": "user", "content": "What is 12 + 7?"},
@@ -129,7 +106,7 @@ def test_a_multi_turn_episode_trains_exactly_the_sampled_tokens(family):
 def test_a_rewritten_history_is_split_not_corrupted(family):
     table, server, _ = family
     session = table.open()
-    client = _client(server, session)
+    client = session_client(server, session)
     messages = [{"role": "user", "content": "What is 2 + 2?"}]
     text, _ = _ask(client, messages)
     messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "Sure?"}]
@@ -160,5 +137,7 @@ def test_a_session_answers_its_own_key_only_and_not_after_it_closed(family):
         assert refused.status_code == 400 and named in refused.json()["detail"]
     table.close(mine)
     with pytest.raises(openai.NotFoundError):
-        _client(server, mine).chat.completions.create(model="policy", messages=body["messages"])
+        session_client(server, mine).chat.completions.create(
+            model="policy", messages=body["messages"]
+        )
     table.close(theirs)

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from families import BROKEN, FAMILIES, build_family, build_tokenizer, teach
-from services import AppServer
+from services import AppServer, session_client, session_endpoint
 
 from flowrl.agent_loop.recorded import trajectories_from_turns
 from flowrl.backends.openai_api.routes import request_messages
@@ -217,38 +217,20 @@ def folders(tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module", params=sorted(REPLIES))
-def session_endpoint(request, folders, tmp_path_factory) -> Iterator[tuple]:
+def sessions(request, folders, tmp_path_factory) -> Iterator[tuple]:
     """A session endpoint on a taught fixture: (family, table, server, trainer)."""
-    from flowrl.backends.chat import HFChatFormat
-    from flowrl.backends.hf_workers import HFSampler, TorchTrainer
-    from flowrl.backends.openai_api.sessions import Batcher, SessionTable, create_session_app
-    from flowrl.backends.types import WorkerSpec
-
+    cache = str(tmp_path_factory.mktemp("cache"))
     folder = folders[request.param]
-    spec = WorkerSpec(model_uri=folder, cache_dir=str(tmp_path_factory.mktemp("cache")))
-    sampler, trainer = HFSampler(spec), TorchTrainer(spec)
-    batcher = Batcher(lambda p, n, t, s: sampler.sample(p, n, t, s), seed=1)
-    table = SessionTable(HFChatFormat.from_folder(folder), batcher, 2048, max_tokens=64)
-    server = AppServer(create_session_app(table, TEMPERATURE))
-    yield request.param, table, server, trainer
-    server.stop()
-    batcher.close()
+    with session_endpoint(folder, cache, TEMPERATURE, context_length=2048, max_tokens=64) as out:
+        yield (request.param, *out)
 
 
-def _session_client(server: AppServer, session) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=f"{server.url}/sessions/{session.session_id}/v1",
-        api_key=session.key,
-        max_retries=0,
-    )
-
-
-def test_a_tool_calling_episode_trains_exactly_the_sampled_tokens(session_endpoint):
+def test_a_tool_calling_episode_trains_exactly_the_sampled_tokens(sessions):
     from flowrl.backends.types import Datum
 
-    _, table, server, trainer = session_endpoint
+    _, table, server, trainer = sessions
     session = table.open()
-    client = _session_client(server, session)
+    client = session_client(server, session)
     messages: list = list(QUESTION)
     first = client.chat.completions.create(
         model="policy", messages=messages, tools=[ADD], max_tokens=48
@@ -284,10 +266,10 @@ def test_a_tool_calling_episode_trains_exactly_the_sampled_tokens(session_endpoi
     assert table.chat.tokenizer.decode(whole[len(t.tokens) :]).strip() == ""
 
 
-def test_an_edited_call_or_changed_tools_start_a_new_trajectory(session_endpoint):
-    _, table, server, _ = session_endpoint
+def test_an_edited_call_or_changed_tools_start_a_new_trajectory(sessions):
+    _, table, server, _ = sessions
     session = table.open()
-    client = _session_client(server, session)
+    client = session_client(server, session)
     mul = {"type": "function", "function": {**ADD["function"], "name": "mul"}}
     first = client.chat.completions.create(
         model="policy", messages=QUESTION, tools=[ADD], max_tokens=48
@@ -311,8 +293,8 @@ def test_an_edited_call_or_changed_tools_start_a_new_trajectory(session_endpoint
         assert len(piece.tokens) == len(piece.loss_mask) == len(piece.logprobs)
 
 
-def test_a_session_refuses_tools_it_cannot_honour_and_serves_on(session_endpoint):
-    _, table, server, _ = session_endpoint
+def test_a_session_refuses_tools_it_cannot_honour_and_serves_on(sessions):
+    _, table, server, _ = sessions
     session = table.open()
     url = f"{server.url}/sessions/{session.session_id}/v1/chat/completions"
     headers = {"Authorization": f"Bearer {session.key}"}
