@@ -4,7 +4,7 @@ Prefect API, Ray and MLflow store. Fixed seeds; the bar is the e2e learning test
 (tests/test_flow_e2e.py). Both play one task, so the second reuses the first's warm-up.
 
 The training reward must rise by the e2e bar. Held-out accuracy is printed, not asserted: at
-this size it moves by one or two of its 50 greedy episodes (0.30 → 0.26 … 0.38 over seven runs,
+this size it moves by one or two of its 50 greedy episodes (0.30 → 0.26 … 0.38 over nine runs,
 one of them under the suite's load), so it is not yet a bar these agents reliably clear
 (issue 42's note)."""
 
