@@ -441,18 +441,18 @@ def _environment(**values: str | None) -> Iterator[None]:
     """``os.environ`` with ``values`` set (None: unset), restored afterwards."""
     saved = {k: os.environ.get(k) for k in values}
     try:
-        for key, value in values.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _set_environment(values)
         yield
     finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _set_environment(saved)
+
+
+def _set_environment(values: dict[str, str | None]) -> None:
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _home_environment(home: Path) -> dict[str, str | None]:

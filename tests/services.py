@@ -225,3 +225,22 @@ def session_client(server: AppServer, session) -> Any:  # noqa: ANN001 - a sessi
         api_key=session.key,
         max_retries=0,
     )
+
+
+def assert_trained_exactly(turns: list, sampled: list[int], trainer, temperature: float) -> Any:  # noqa: ANN001
+    """The episode recorded as ``turns`` is one trajectory that trains exactly the ``sampled``
+    ids (mask 1 on them and nothing else), with log-probs the trainer recomputes within 1e-5;
+    returns that trajectory."""
+    import pytest
+
+    from flowrl.agent_loop.recorded import trajectories_from_turns
+    from flowrl.backends.types import Datum
+
+    (t,) = trajectories_from_turns(turns, "ep", 0, reward=1.0)
+    assert [tok for tok, m in zip(t.tokens, t.loss_mask, strict=True) if m] == sampled
+    assert sum(t.loss_mask) == len(sampled) == sum(len(turn.completion) for turn in turns)
+    (row,) = trainer.compute_logprobs([Datum(t.tokens, t.loss_mask, 0.0)], temperature)
+    recomputed = [lp for lp, m in zip(row, t.loss_mask, strict=True) if m]
+    recorded = [lp for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m]
+    assert recomputed == pytest.approx(recorded, abs=1e-5)
+    return t

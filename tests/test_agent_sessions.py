@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from families import FAMILIES, build_family
-from services import session_client, session_endpoint
+from services import assert_trained_exactly, session_client, session_endpoint
 
 from flowrl.agent_loop.recorded import Turn, trajectories_from_turns
 from flowrl.agent_loop.types import StopReason
@@ -72,7 +72,6 @@ def _ask(client: openai.OpenAI, messages: list[dict]) -> tuple[str, list[int]]:
 
 
 def test_a_multi_turn_episode_trains_exactly_the_sampled_tokens(family):
-    from flowrl.backends.types import Datum
 
     table, server, trainer = family
     session = table.open()
@@ -94,13 +93,7 @@ def test_a_multi_turn_episode_trains_exactly_the_sampled_tokens(family):
             messages.append(follow_up)
     turns = table.close(session)
     assert len(turns) == 3
-    (t,) = trajectories_from_turns(turns, "ep", 0, reward=1.0)
-    assert [tok for tok, m in zip(t.tokens, t.loss_mask, strict=True) if m] == sampled
-    assert sum(t.loss_mask) == len(sampled) == sum(len(turn.completion) for turn in turns)
-    (row,) = trainer.compute_logprobs([Datum(t.tokens, t.loss_mask, 0.0)], TEMPERATURE)
-    recomputed = [lp for lp, m in zip(row, t.loss_mask, strict=True) if m]
-    recorded = [lp for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m]
-    assert recomputed == pytest.approx(recorded, abs=1e-5)
+    assert_trained_exactly(turns, sampled, trainer, TEMPERATURE)
 
 
 def test_a_rewritten_history_is_split_not_corrupted(family):

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 from families import BROKEN, FAMILIES, build_family, build_tokenizer, teach
-from services import AppServer, session_client, session_endpoint
+from services import AppServer, assert_trained_exactly, session_client, session_endpoint
 
 from flowrl.agent_loop.recorded import trajectories_from_turns
 from flowrl.backends.openai_api.routes import request_messages
@@ -226,7 +226,6 @@ def sessions(request, folders, tmp_path_factory) -> Iterator[tuple]:
 
 
 def test_a_tool_calling_episode_trains_exactly_the_sampled_tokens(sessions):
-    from flowrl.backends.types import Datum
 
     _, table, server, trainer = sessions
     session = table.open()
@@ -248,13 +247,7 @@ def test_a_tool_calling_episode_trains_exactly_the_sampled_tokens(sessions):
 
     sampled = first.model_extra["token_ids"] + second.model_extra["token_ids"]
     turns = table.close(session)
-    (t,) = trajectories_from_turns(turns, "ep", 0, reward=1.0)
-    assert [tok for tok, m in zip(t.tokens, t.loss_mask, strict=True) if m] == sampled
-    assert sum(t.loss_mask) == len(sampled) == sum(len(turn.completion) for turn in turns)
-    (row,) = trainer.compute_logprobs([Datum(t.tokens, t.loss_mask, 0.0)], TEMPERATURE)
-    recomputed = [lp for lp, m in zip(row, t.loss_mask, strict=True) if m]
-    recorded = [lp for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m]
-    assert recomputed == pytest.approx(recorded, abs=1e-5)
+    t = assert_trained_exactly(turns, sampled, trainer, TEMPERATURE)
 
     # What was trained is the family's own rendering of the conversation and its tools.
     dumped = [m if isinstance(m, dict) else m.model_dump() for m in messages]
