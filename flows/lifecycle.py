@@ -17,6 +17,7 @@ from prefect.runtime import flow_run
 from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ThreadPoolTaskRunner
 
+from flowrl.backends import live
 from flowrl.backends.actors import (
     PolicyRef,
     SharedWorkerSettings,
@@ -120,6 +121,7 @@ class JobRun:
         self.run_id = ""
         self.done_steps = 0
         self._policies: list[PolicyRef] = []
+        self._published = False
         self._admitted: set[str] = set()  # shared workers whose adapter slot the run holds
         self._exits = contextlib.ExitStack()
         # Metrics reach MLflow from one background thread, in order, off the step's path, a
@@ -200,7 +202,12 @@ class JobRun:
         self.say(f"adapter slot of {worker} held after {time.monotonic() - began:.1f} s")
 
     def _stop_policies(self) -> None:
-        """Stop every policy the run started (idempotent; a shared tenant leaves its worker)."""
+        """Stop every policy the run started (idempotent; a shared tenant leaves its worker),
+        the job's record of its running policy withdrawn first (``backends.live``)."""
+        if self._published:
+            self._published = False
+            with contextlib.suppress(OSError):  # the workers stop whatever the storage says
+                live.withdraw(self.storage, self.ctx.prefix)
         for policy in self._policies:
             stop_policy(policy)
 
@@ -280,6 +287,9 @@ class JobRun:
         tags = {f"node/{prefix}trainer": nodes[policy.trainer]}
         tags |= {f"node/{prefix}sampler-{i}": nodes[s] for i, s in enumerate(policy.samplers)}
         tracking.set_tags(self.run_id, tags)  # where each worker runs, on the MLflow run
+        if name is None:  # the job's policy: served as `job:<name>` while it runs
+            live.publish(self.storage, self.ctx.prefix, policy, model_uri)
+            self._published = True
         return policy
 
     # ------------------------------------------------------------------------ progress

@@ -56,6 +56,7 @@ def test_the_agent_learns(trained):
         f"{result.accuracy_start:.3f} -> {result.accuracy_end:.3f}"
     )
     assert last > first + 0.05, (first, last)
+    assert result.accuracy_end > result.accuracy_start
 
 
 def test_its_episodes_were_played_through_sessions_and_none_failed(trained):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -185,6 +187,71 @@ def test_a_tinker_sampler_checkpoint_is_served(endpoint, flowrl_home):
         _client(endpoint, BOB).completions.create(model=path, prompt=prompt, max_tokens=2)
 
 
+def test_a_running_jobs_current_policy_is_served(endpoint, prefect_api):
+    """``job:<name>`` while alice's job trains: listed for her and not for bob, answered by the
+    job's own sampler with the weights it last synced (the fingerprint's version rises as the
+    job trains); once the job has ended, a 404 naming it."""
+    from flowrl.flows.rl import rl_train
+
+    config = load_job(
+        None,
+        [
+            "name=openai-live",
+            "env.params.eval_size=16",
+            "rollout.prompts_per_step=8",
+            "schedule.steps=200",  # ~0.1 s a step here: long enough to be seen training
+            "schedule.eval_every=200",
+            "schedule.checkpoint_every=200",
+        ],
+    )
+    outcome: dict = {}
+
+    def run_job() -> None:  # on the session's Ray, which the endpoint in this process shares
+        try:
+            outcome["result"] = rl_train(config)
+        except BaseException as err:  # noqa: BLE001 - reported by the assertions below
+            outcome["error"] = err
+
+    alice, bob = _client(endpoint), _client(endpoint, BOB)
+    messages = [{"role": "user", "content": "What is 12 + 7?"}]
+    saved = os.environ.get("FLOWRL_NAMESPACE")
+    os.environ["FLOWRL_NAMESPACE"] = "alice"
+    job = threading.Thread(target=run_job)
+    job.start()
+    try:
+        deadline = time.monotonic() + 300
+        while "job:openai-live" not in [m.id for m in alice.models.list()]:
+            assert job.is_alive() and time.monotonic() < deadline, outcome
+            time.sleep(0.2)
+        assert "job:openai-live" not in [m.id for m in bob.models.list()]
+        with pytest.raises(openai.NotFoundError) as refused:
+            bob.chat.completions.create(model="job:openai-live", messages=messages, max_tokens=4)
+        assert "job:openai-live" in refused.value.response.text
+        versions = []
+        while len(set(versions)) < 3:  # three different weights answered, in order
+            answer = alice.chat.completions.create(
+                model="job:openai-live", messages=messages, temperature=0, max_tokens=6
+            )
+            assert answer.model == "job:openai-live" and answer.choices[0].finish_reason
+            assert 0 < answer.usage.completion_tokens <= 6
+            versions.append(int(answer.system_fingerprint.removeprefix("weights-")))
+            assert job.is_alive() and time.monotonic() < deadline, outcome
+            time.sleep(0.2)
+        assert versions == sorted(versions)
+    finally:
+        job.join(timeout=600)
+        if saved is None:
+            os.environ.pop("FLOWRL_NAMESPACE", None)
+        else:
+            os.environ["FLOWRL_NAMESPACE"] = saved
+    assert "error" not in outcome, outcome
+    assert outcome["result"].model_uri == "models:/alice_openai-live/1"
+    assert "job:openai-live" not in [m.id for m in alice.models.list()]
+    with pytest.raises(openai.NotFoundError) as ended:
+        alice.chat.completions.create(model="job:openai-live", messages=messages, max_tokens=4)
+    assert "no running job" in ended.value.response.text
+
+
 @pytest.mark.parametrize(
     ("body", "status", "names"),
     [
@@ -197,6 +264,16 @@ def test_a_tinker_sampler_checkpoint_is_served(endpoint, flowrl_home):
             {"model": "/etc/passwd", "messages": [{"role": "user", "content": "hi"}]},
             404,
             "/etc/passwd",
+        ),
+        (
+            {"model": "job:no-such-job", "messages": [{"role": "user", "content": "hi"}]},
+            404,
+            "job:no-such-job",
+        ),
+        (
+            {"model": "job:../../x", "messages": [{"role": "user", "content": "hi"}]},
+            400,
+            "job:<job name>",
         ),
         ({"model": "flowrl/tiny", "messages": "hi"}, 400, "messages"),
         ({"model": "flowrl/tiny", "messages": [{"role": "robot", "content": "hi"}]}, 400, "role"),

@@ -277,6 +277,7 @@ def chat_answer(
         "object": "chat.completion",
         "created": int(time.time()),
         "model": served.name,
+        "system_fingerprint": served.fingerprint,
         "choices": choices,
         "usage": _usage(prompt, completions),
         "prompt_token_ids": prompt,
@@ -306,6 +307,7 @@ def _text_answer(
         "object": "text_completion",
         "created": int(time.time()),
         "model": served.name,
+        "system_fingerprint": served.fingerprint,
         "choices": choices,
         "usage": _usage(prompt, completions),
         "prompt_token_ids": prompt,
@@ -319,7 +321,8 @@ def _event(data: dict[str, Any]) -> str:
 def _chat_stream(answer: dict[str, Any]) -> Iterator[str]:
     """The answer as chat completion chunks: per choice its role, its content and tool calls
     (one delta) and its end (the completion is sampled whole, then sent)."""
-    head = {k: answer[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
+    keys = ("id", "created", "model", "system_fingerprint")
+    head = {k: answer[k] for k in keys} | {"object": "chat.completion.chunk"}
     for choice in answer["choices"]:
         i = choice["index"]
         message = choice["message"]
@@ -340,7 +343,7 @@ def _chat_stream(answer: dict[str, Any]) -> Iterator[str]:
 
 
 def _text_stream(answer: dict[str, Any]) -> Iterator[str]:
-    head = {k: answer[k] for k in ("id", "created", "model", "object")}
+    head = {k: answer[k] for k in ("id", "created", "model", "system_fingerprint", "object")}
     for choice in answer["choices"]:
         yield _event(head | {"choices": [choice]})
     yield "data: [DONE]\n\n"

@@ -8,7 +8,13 @@ one):
   ``models:/<name>@<alias>`` (the name as the caller's jobs registered it: the namespace's
   prefix is added here, so a key never reaches another namespace's models);
 - a Tinker sampler checkpoint of the caller's namespace, ``tinker://<run>/sampler_weights/<name>``
-  (its base model with its LoRA adapter).
+  (its base model with its LoRA adapter);
+- a running job's current policy, ``job:<job name>``, a job of the caller's namespace (its
+  record, ``backends.live``): sampled by the job's own sampler on the job's Ray cluster (the
+  endpoint's, ``FLOWRL_RAY_ADDRESS``: the stack's), between the job's calls, with whatever
+  weights the job last synced; the answer's ``system_fingerprint`` names them
+  (``weights-<version>``). The job's reproducibility is kept: each of its sampler calls seeds
+  the sampler itself.
 
 Each model is loaded once into this process (HF ``generate``: ``backends.hf_workers.HFSampler``)
 and kept while it is among the ``resident_models`` most recently used; its chat format is its
@@ -30,9 +36,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from flowrl.infra.serving import Keys, ServiceError, ServingLimits
-from flowrl.infra.settings import get_settings, scoped_model_name
+from flowrl.infra.settings import RAY_NAMESPACE, get_settings, job_prefix, scoped_model_name
 from flowrl.infra.storage import Storage
 
+_JOB = re.compile(r"^job:([a-z0-9][a-z0-9-]{0,62})$")  # a job's name, as its config's
 _REGISTERED = re.compile(
     r"^models:/([A-Za-z0-9][A-Za-z0-9.-]{0,127})(?:/([0-9]{1,9})|@([A-Za-z0-9_-]{1,64}))$"
 )
@@ -87,16 +94,42 @@ class Completion:
 
 
 class Served:
-    """A loaded model: its sampler, chat format, context length, and the lock its calls take."""
+    """A loaded model: its sampler, chat format, context length, and the lock its calls take.
+    A running job's policy (``_JobSampler``) also says which weights answered
+    (``fingerprint``, set by each sampling)."""
 
-    def __init__(self, name: str, sampler: Any, chat: Any):
+    def __init__(self, name: str, sampler: Any, chat: Any, config: Any = None):
         self.name = name
         self.sampler = sampler
         self.chat = chat
-        config = sampler.model.config
+        config = config if config is not None else sampler.model.config
         self.context_length = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.vocab_size = len(chat.tokenizer)
         self.lock = threading.Lock()
+        self.fingerprint: str | None = None
+
+
+class _JobSampler:
+    """A running job's first sampler (a Ray actor of the job's), sampled as a loaded model is.
+    A job that ends while a request waits answers 404."""
+
+    def __init__(self, job: str, policy: Any):
+        self.job = job
+        self.worker = policy.sampler_worker(0)
+
+    def weights_version(self) -> int:
+        return self._call(lambda: self.worker.get_weights_version())
+
+    def sample(self, prompts: list[list[int]], max_tokens: int, temperature: float, seed: int):
+        return self._call(lambda: self.worker.sample(prompts, max_tokens, temperature, seed=seed))
+
+    def _call(self, call: Any) -> Any:
+        import ray
+
+        try:
+            return call()
+        except (ray.exceptions.RayActorError, ValueError):
+            raise ServiceError(404, f"job {self.job!r} is not running") from None
 
 
 class OpenAIService:
@@ -117,6 +150,7 @@ class OpenAIService:
         self.limits = limits or Limits()
         self.lock = threading.RLock()
         self.loaded: OrderedDict[tuple[str | None, str], Served] = OrderedDict()
+        self.job_chats: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
 
     # ------------------------------------------------------------------- models
 
@@ -124,6 +158,7 @@ class OpenAIService:
         """The catalogue's base models and the namespace's registered models (each as
         ``models:/<name>/<latest>`` and one entry per alias)."""
         ids = sorted(self.catalogue)
+        ids += [f"job:{job}" for job in self._running_jobs(namespace)]
         for name, latest, aliases in self._registered(namespace):
             ids += [f"models:/{name}/{latest}", *(f"models:/{name}@{a}" for a in sorted(aliases))]
         owner = namespace or "flowrl"
@@ -151,10 +186,76 @@ class OpenAIService:
                 found.append((model.name[len(prefix) :], str(latest), aliases))
         return found
 
+    def _running_jobs(self, namespace: str | None) -> list[str]:
+        """The namespace's jobs whose policy runs on this endpoint's Ray cluster."""
+        jobs_root = job_prefix("", namespace).rstrip("/")
+        return [
+            job
+            for job in self.storage.list(jobs_root)
+            if _JOB.match(f"job:{job}") and self._reachable(job, namespace, quiet=True)
+        ]
+
+    def _reachable(self, job: str, namespace: str | None, quiet: bool = False) -> Any:
+        """The running policy of ``job`` (``backends.live.LivePolicy``) if this endpoint can
+        sample it; else None (``quiet``) or a 404 saying why."""
+        import ray
+
+        from flowrl.backends import live
+        from flowrl.backends.tinker.handles import connect_service_ray
+
+        def absent(why: str) -> None:
+            if quiet:
+                return None
+            raise ServiceError(404, f"model 'job:{job}': {why}")
+
+        found = live.find(self.storage, job_prefix(job, namespace))
+        if found is None:
+            return absent("no running job of that name in this namespace")
+        if found.policy is None:
+            return absent("its policy runs inside the job's own process, out of reach")
+        try:
+            connect_service_ray()
+        except (RuntimeError, ConnectionError):
+            return absent("this endpoint is on no Ray cluster (FLOWRL_RAY_ADDRESS)")
+        if found.ray_address != ray.get_runtime_context().gcs_address:
+            return absent(
+                "the job runs on another Ray cluster than this endpoint's (a job of "
+                "`flowrl stack up` runs on the stack's)"
+            )
+        try:
+            ray.get_actor(found.policy.sampler, namespace=RAY_NAMESPACE)
+        except ValueError:
+            return absent("no running job of that name in this namespace")
+        return found
+
+    def _job_model(self, namespace: str | None, name: str) -> Served:
+        """A running job's policy: its record read and its sampler found at each request (the
+        job may have restarted its workers or ended since), its chat format loaded once."""
+        from flowrl.backends.chat import HFChatFormat
+        from flowrl.backends.model_uri import resolve_model_uri
+
+        match = _JOB.match(name)
+        if not match:
+            raise ServiceError(400, f"model {name[:120]!r}: a running job is job:<job name>")
+        found = self._reachable(match[1], namespace)
+        with self.lock:
+            loaded = self.job_chats.get(found.model_uri)
+            if loaded is None:
+                from transformers import AutoConfig
+
+                folder = resolve_model_uri(found.model_uri, self.cache_dir)
+                loaded = (HFChatFormat.from_folder(folder), AutoConfig.from_pretrained(folder))
+                self.job_chats[found.model_uri] = loaded
+                while len(self.job_chats) > 4 * self.limits.resident_models:
+                    self.job_chats.popitem(last=False)
+        return Served(name, _JobSampler(match[1], found.policy), *loaded)
+
     def model(self, namespace: str | None, name: Any) -> Served:
         """The loaded model ``name`` names for ``namespace`` (404 naming it when none)."""
         if not isinstance(name, str) or not name:
             raise ServiceError(400, "model: a model name is required")
+        if name.startswith("job:"):
+            return self._job_model(namespace, name)
         # A base model of the catalogue is every namespace's: loaded once for all of them.
         key = (None if name in self.catalogue else namespace, name)
         with self.lock:
@@ -269,6 +370,8 @@ class OpenAIService:
         if bad:
             raise ServiceError(400, f"prompt: token id {bad[0]} is outside the vocabulary")
         with served.lock:
+            if isinstance(served.sampler, _JobSampler):
+                served.fingerprint = f"weights-{served.sampler.weights_version()}"
             results = served.sampler.sample(
                 [prompt] * n,
                 max_tokens,

@@ -304,7 +304,8 @@ def create_session_app(table: SessionTable, temperature: float) -> Any:
 
 @dataclass
 class _View:
-    """What ``routes.chat_answer`` reads of a model: its chat format and name."""
+    """What ``routes.chat_answer`` reads of a model: its chat format, name and fingerprint."""
 
     chat: Any
     name: str
+    fingerprint: str | None = None
