@@ -608,6 +608,20 @@ def test_shared_worker_tenants_across_flow_runs(stack_env):
     first = jobs.submit("rl-train/rl-train-shared", {"config": config("tenant-a", 1, 5000)})
     joined = _line(first, "policy: tenant", 300)
     worker, pid = re.search(r"shared worker (shared-\w+) \(pid (\d+)", joined).groups()
+    # While it trains, the stack's OpenAI endpoint serves its current policy: its adapter on
+    # the shared worker, found through the job's record in the stack's S3 storage.
+    import openai
+
+    endpoint = openai.OpenAI(base_url=stack_env.env["OPENAI_BASE_URL"], api_key="local")
+    deadline = time.monotonic() + 60
+    while "job:tenant-a" not in [m.id for m in endpoint.models.list()]:
+        assert time.monotonic() < deadline
+        time.sleep(1.0)
+    answer = endpoint.chat.completions.create(
+        model="job:tenant-a", messages=[{"role": "user", "content": "1+1?"}], max_tokens=4
+    )
+    assert answer.system_fingerprint.startswith("weights-")
+    assert 0 < answer.usage.completion_tokens <= 4
     limit = f"adapter-slots-{worker}"
     with get_client(sync_client=True) as c:  # an operator sets the worker to one adapter slot
         c.update_global_concurrency_limit(limit, GlobalConcurrencyLimitUpdate(limit=1))
@@ -622,6 +636,7 @@ def test_shared_worker_tenants_across_flow_runs(stack_env):
     held = _line(second, f"adapter slot of {worker} held", 180)
     print(f"\n{held}; the killed tenant's slot came back {time.monotonic() - killed:.0f} s after")
     assert jobs.wait(second, timeout=300).state == "COMPLETED"
+    assert "job:tenant-b" not in [m.id for m in endpoint.models.list()]  # it has ended
     rejoined = _line(second, "policy: tenant", 10)
     assert f"shared worker {worker} (pid {pid}, base loaded 1 time" in rejoined, rejoined
     assert jobs.wait(first, timeout=60).state == "CRASHED"

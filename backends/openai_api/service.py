@@ -129,7 +129,11 @@ class _JobSampler:
         try:
             return call()
         except (ray.exceptions.RayActorError, ValueError):
-            raise ServiceError(404, f"job {self.job!r} is not running") from None
+            raise ServiceError(404, f"model 'job:{self.job}': no running job") from None
+        except ray.exceptions.RayTaskError as err:
+            if isinstance(err.cause, KeyError):  # a shared worker's tenant that has left
+                raise ServiceError(404, f"model 'job:{self.job}': no running job") from None
+            raise
 
 
 class OpenAIService:
