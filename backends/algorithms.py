@@ -224,17 +224,35 @@ def _weighted(loss_B_T: Tensor, weights_B_T: Tensor | None) -> Tensor:
     return loss_B_T if weights_B_T is None else loss_B_T * weights_B_T.detach()
 
 
+def _behaviour_ratios(
+    prox_B_T: Tensor, behaviour_B_T: Tensor, mask_B_T: Tensor
+) -> tuple[Tensor, Tensor, dict[str, float]]:
+    """``rho = exp(logp_prox - logp_behaviour)`` per token (detached), the mask as floats, and
+    ``is_ratio_mean`` / ``is_ratio_min`` / ``is_ratio_max`` of ``rho`` over mask-1 tokens (0
+    with none)."""
+    mask_B_T = mask_B_T.to(prox_B_T.dtype)
+    rho_B_T = torch.exp(prox_B_T.detach() - behaviour_B_T.detach())
+    kept = rho_B_T[mask_B_T > 0]
+    stats = {
+        "is_ratio_mean": float(kept.mean()) if kept.numel() else 0.0,
+        "is_ratio_min": float(kept.min()) if kept.numel() else 0.0,
+        "is_ratio_max": float(kept.max()) if kept.numel() else 0.0,
+    }
+    return rho_B_T, mask_B_T, stats
+
+
 def truncated_is_weights(
     trainer_old_B_T: Tensor, sampler_B_T: Tensor, mask_B_T: Tensor, cap: float
 ) -> tuple[Tensor, dict[str, float]]:
-    """Truncated importance weights for the sampler/trainer mismatch (TIS, Yao et al. 2025,
-    "Your efficient RL framework secretly brings you off-policy RL training").
+    """Truncated importance weights (TIS; Yao et al. 2025, "Your efficient RL framework
+    secretly brings you off-policy RL training"; Espeholt et al. 2018's truncation).
 
-    The sampling engine's log-probs differ from the trainer's for the same weights (kernels,
-    precision), so the tokens come from ``pi_sampler``, not from the trainer's ``pi_old``. TIS
-    takes the policy loss's ratio against the trainer's own ``pi_old`` and corrects the
-    sampling per token with ``w = min(exp(logp_trainer_old - logp_sampler), cap)``: the cap
-    bounds the variance, at the cost of a small bias on the tokens it truncates.
+    The tokens were sampled by the behaviour policy ``pi_sampler`` (the sampling engine's
+    weights, which differ from the trainer's by kernels and precision, and by the updates it
+    is behind when rollouts run ahead), not by the trainer's ``pi_old``. TIS takes the policy
+    loss's ratio against the trainer's own ``pi_old`` and corrects the sampling per token with
+    ``w = min(exp(logp_trainer_old - logp_sampler), cap)``: the cap bounds the variance, at
+    the cost of a small bias on the tokens it truncates.
 
     Args:
         trainer_old_B_T: float ``[B, T]`` log-probs of the sampled tokens under the trainer's
@@ -246,19 +264,99 @@ def truncated_is_weights(
     Returns:
         ``(weights_B_T, metrics)``: float ``[B, T]`` weights, detached, 1 where the mask is 0;
         floats ``tis_weight_mean`` (mean ``w``) and ``tis_clip_frac`` (share of tokens where
-        ``w`` was capped, i.e. ``exp(...) > C``), both over mask-1 tokens (0 with none).
+        ``w`` was capped, i.e. ``exp(...) > C``), both over mask-1 tokens (0 with none), and
+        the ratio's statistics (``_behaviour_ratios``).
     """
     if not cap > 1.0:
         raise ValueError(f"truncated importance sampling needs cap > 1, got {cap}")
-    mask_B_T = mask_B_T.to(trainer_old_B_T.dtype)
-    raw_B_T = torch.exp(trainer_old_B_T.detach() - sampler_B_T.detach())
+    raw_B_T, mask_B_T, stats = _behaviour_ratios(trainer_old_B_T, sampler_B_T, mask_B_T)
     capped_B_T = raw_B_T > cap
     weights_B_T = torch.where(mask_B_T > 0, raw_B_T.clamp(max=cap), torch.ones_like(raw_B_T))
     metrics = {
         "tis_weight_mean": float(token_mean(weights_B_T, mask_B_T)),
         "tis_clip_frac": float(token_mean(capped_B_T.to(mask_B_T.dtype), mask_B_T)),
     }
-    return weights_B_T, metrics
+    return weights_B_T, metrics | stats
+
+
+def masked_is_weights(
+    trainer_old_B_T: Tensor, sampler_B_T: Tensor, mask_B_T: Tensor, band: tuple[float, float]
+) -> tuple[Tensor, dict[str, float]]:
+    """Masked importance sampling (MIS, token level, as verl's rollout correction in its mask
+    mode): per token ``rho = exp(logp_trainer_old - logp_sampler)``; a token whose ``rho``
+    leaves ``band = (low, high)`` is dropped from the loss (weight 0), the others are weighted
+    by ``rho`` itself. Unlike TIS nothing is biased by a cap; tokens the behaviour policy
+    sampled far off the trainer's are left out instead.
+
+    Returns:
+        ``(weights_B_T, metrics)``: float ``[B, T]`` weights, detached, 1 where the mask is 0;
+        ``mis_weight_mean`` (mean weight, dropped tokens counted as 0) and ``mis_masked_frac``
+        (share of tokens dropped) over mask-1 tokens, and the ratio's statistics.
+    """
+    low, high = band
+    if not 0.0 < low < 1.0 < high:
+        raise ValueError(f"masked importance sampling needs 0 < low < 1 < high, got {band}")
+    raw_B_T, mask_B_T, stats = _behaviour_ratios(trainer_old_B_T, sampler_B_T, mask_B_T)
+    outside_B_T = (raw_B_T < low) | (raw_B_T > high)
+    kept_B_T = torch.where(outside_B_T, torch.zeros_like(raw_B_T), raw_B_T)
+    weights_B_T = torch.where(mask_B_T > 0, kept_B_T, torch.ones_like(raw_B_T))
+    metrics = {
+        "mis_weight_mean": float(token_mean(weights_B_T, mask_B_T)),
+        "mis_masked_frac": float(token_mean(outside_B_T.to(mask_B_T.dtype), mask_B_T)),
+    }
+    return weights_B_T, metrics | stats
+
+
+def decoupled_is_weights(
+    prox_B_T: Tensor, behaviour_B_T: Tensor, mask_B_T: Tensor, cap: float | None
+) -> tuple[Tensor, dict[str, float]]:
+    """The behaviour weights of decoupled PPO (AReaL; Fu et al. 2025, after Hilton et al.
+    2022's proximal policy): the PPO ratio is taken against a proximal policy ``pi_prox``
+    between the behaviour policy and the current one (here the trainer's weights before this
+    update), so the trust region is around ``pi_prox``, however stale the behaviour policy;
+    each token's clipped term is then weighted by ``w = pi_prox / pi_behaviour``, unclipped.
+    With ``cap``, tokens whose ``w`` exceeds it are dropped (weight 0), as AReaL's
+    ``behav_imp_weight_cap`` does.
+
+    Returns:
+        ``(weights_B_T, metrics)``: float ``[B, T]`` weights, detached, 1 where the mask is 0;
+        ``decoupled_weight_mean`` and ``decoupled_masked_frac`` (tokens dropped by the cap)
+        over mask-1 tokens, and the ratio's statistics.
+    """
+    if cap is not None and not cap > 1.0:
+        raise ValueError(f"decoupled PPO's weight cap must be > 1, got {cap}")
+    raw_B_T, mask_B_T, stats = _behaviour_ratios(prox_B_T, behaviour_B_T, mask_B_T)
+    over_B_T = raw_B_T > cap if cap is not None else torch.zeros_like(raw_B_T, dtype=torch.bool)
+    kept_B_T = torch.where(over_B_T, torch.zeros_like(raw_B_T), raw_B_T)
+    weights_B_T = torch.where(mask_B_T > 0, kept_B_T, torch.ones_like(raw_B_T))
+    metrics = {
+        "decoupled_weight_mean": float(token_mean(weights_B_T, mask_B_T)),
+        "decoupled_masked_frac": float(token_mean(over_B_T.to(mask_B_T.dtype), mask_B_T)),
+    }
+    return weights_B_T, metrics | stats
+
+
+OffPolicyCorrection = Callable[[Tensor, Tensor, Tensor], tuple[Tensor, dict[str, float]]]
+"""``(trainer_old_B_T, sampler_B_T, mask_B_T) -> (weights_B_T, metrics)``."""
+
+
+def off_policy_correction(
+    name: str, cap: float | None = None, band: tuple[float, float] = (0.5, 2.0)
+) -> OffPolicyCorrection:
+    """The correction ``name`` (``OFF_POLICY_CORRECTIONS``) with its parameters: ``tis`` (its
+    truncation ``cap``), ``mis`` (its ``band``), ``decoupled`` (its drop ``cap``, or none)."""
+    if name == "tis":
+        if cap is None:
+            raise ValueError("truncated importance sampling needs a cap")
+        return lambda old, sampler, mask: truncated_is_weights(old, sampler, mask, cap)
+    if name == "mis":
+        return lambda old, sampler, mask: masked_is_weights(old, sampler, mask, band)
+    if name == "decoupled":
+        return lambda old, sampler, mask: decoupled_is_weights(old, sampler, mask, cap)
+    raise KeyError(f"unknown off-policy correction {name!r}; known: decoupled, mis, tis")
+
+
+OFF_POLICY_CORRECTIONS = ("tis", "mis", "decoupled")
 
 
 def ppo_clip_loss(

@@ -29,8 +29,8 @@ from flowrl.backends.algorithms import (
     get_policy_loss,
     kl_penalized_rewards,
     mismatch_kl,
+    off_policy_correction,
     token_logprobs,
-    truncated_is_weights,
 )
 from flowrl.backends.chat import HFChatFormat
 from flowrl.backends.lora_export import LORA_EXPORT
@@ -488,30 +488,35 @@ def _next_token_logprobs(
     return logprobs.masked_fill(injected, 0.0)
 
 
-def _truncated_is(
+def _off_policy_correction(
     logprobs_B_T: torch.Tensor,
     b: dict[str, torch.Tensor],
     sampled_B_T: torch.Tensor,
-    tis_cap: float | None,
+    correction: dict[str, Any] | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
     """The policy loss's old log-probs and per-token weights, with their metrics.
 
-    ``tis_cap`` unset: the sampler's log-probs and no weights, so the ratio is
-    ``pi_theta / pi_sampler`` and the sampler/trainer mismatch sits inside it. Set to ``C``:
-    truncated importance sampling (``algorithms.truncated_is_weights``): the ratio is against
-    the trainer's own log-probs before the update, and each sampled token's term is weighted
-    by ``w = min(exp(logp_trainer_old - logp_sampler), C)``; rows without sampler log-probs
-    get ``w = 1``.
+    ``correction`` unset: the sampler's log-probs and no weights, so the ratio is
+    ``pi_theta / pi_sampler`` and the sampler/trainer mismatch (and, with rollouts sampled
+    ahead, the updates the sampler is behind) sits inside it. Set (``{"name": "tis" | "mis" |
+    "decoupled", "cap": …, "band": …}``, ``algorithms.off_policy_correction``): the ratio is
+    against the trainer's own log-probs before the update (the proximal policy), and each
+    sampled token's term is weighted by its importance weight against the sampler (the
+    behaviour policy): truncated (tis), dropped outside a band (mis) or dropped over a cap
+    (decoupled); rows without sampler log-probs get weight 1.
     """
-    if tis_cap is None:
+    if correction is None:
         return b["old"], None, {}
+    weigh = off_policy_correction(
+        correction["name"], correction.get("cap"), tuple(correction.get("band", (0.5, 2.0)))
+    )
     # The RL update stage (tasks.rl.update) takes exactly one optimiser step per batch: one
     # forward_backward, then one optim_step. So the trainer's log-probs before the update are
     # this forward pass's, detached (the ratio starts at 1): no second pass is needed. With
     # schedule.off_policy_steps 1 the trainer is an update ahead of the sampler, and w then
     # corrects that update's change too (the sampler is the behaviour policy).
     trainer_old_B_T = logprobs_B_T.detach()
-    weights_B_T, metrics = truncated_is_weights(trainer_old_B_T, b["old"], sampled_B_T, tis_cap)
+    weights_B_T, metrics = weigh(trainer_old_B_T, b["old"], sampled_B_T)
     return trainer_old_B_T, weights_B_T, metrics
 
 
@@ -607,8 +612,9 @@ class TorchTrainer:
         ``temperature`` so that the ratio to the sampler's log-probs starts at 1.
         ``loss_config`` holds the loss's options (``clip_eps``, ``clip_eps_high``, ``loss_agg``)
         and optionally ``kl_coef`` / ``kl_estimator``: with ``kl_coef > 0`` the loss gains
-        ``kl_coef * agg(kl(logp, ref_logp))`` against the reference model. With ``tis_cap``
-        set the policy loss is corrected for the sampler/trainer mismatch (``_truncated_is``).
+        ``kl_coef * agg(kl(logp, ref_logp))`` against the reference model. With ``is_correction``
+        (or ``tis_cap``) set the policy loss is corrected for the sampler/trainer mismatch
+        (``_off_policy_correction``).
         Where data carry the sampler's log-probs, the metrics include ``mismatch_kl``
         (``algorithms.mismatch_kl``): sampler/trainer precision drift on an on-policy step; one
         step off policy it includes one update's change as well.
@@ -616,7 +622,10 @@ class TorchTrainer:
         options = dict(loss_config or {})
         kl_coef = float(options.pop("kl_coef", 0.0))
         kl_estimator = options.pop("kl_estimator", "k3")
-        tis_cap = options.pop("tis_cap", None)
+        correction = options.pop("is_correction", None)
+        tis_cap = options.pop("tis_cap", None)  # the older spelling of {"name": "tis", "cap": C}
+        if correction is None and tis_cap is not None:
+            correction = {"name": "tis", "cap": tis_cap}
         b = self._batch(data)
         logprobs_B_T = self._loss_logprobs(data, b, temperature)
         sampled_B_T = b["mask"] * b["has_old"].unsqueeze(-1)  # tokens with sampler log-probs
@@ -624,7 +633,9 @@ class TorchTrainer:
             loss = -(logprobs_B_T * b["mask"]).sum() / b["mask"].sum().clamp(min=1)
             metrics: dict[str, float] = {}
         else:
-            old_B_T, weights_B_T, metrics = _truncated_is(logprobs_B_T, b, sampled_B_T, tis_cap)
+            old_B_T, weights_B_T, metrics = _off_policy_correction(
+                logprobs_B_T, b, sampled_B_T, correction
+            )
             policy_loss = get_policy_loss(loss_fn)
             loss, loss_metrics = policy_loss(
                 logprobs_B_T,

@@ -164,9 +164,9 @@ def update(
         ]
     loss_config = cfg.algorithm.loss_config()
     computed = time.perf_counter()
-    # One forward_backward, one optim_step per batch: with algorithm.tis_cap the trainer's old
-    # log-probs are this pass's, detached (hf_workers._truncated_is). A second optimiser pass
-    # would need them computed once before the first (worker.compute_logprobs).
+    # One forward_backward, one optim_step per batch: with an algorithm.is_correction the
+    # trainer's old log-probs are this pass's, detached (hf_workers._off_policy_correction). A
+    # second optimiser pass would need them computed once before the first (compute_logprobs).
     metrics = worker.forward_backward(
         data, cfg.algorithm.loss, loss_config, cfg.rollout.temperature
     )

@@ -257,6 +257,20 @@ class AlgorithmSection(_Section, title="Algorithm"):
         "et al. 2025): ratio against the trainer's own log-probs, each token weighted by "
         "min(p_trainer / p_sampler, tis_cap); unset = off (ratio against the sampler's).",
     )
+    is_correction: Literal["none", "tis", "mis", "decoupled"] = Field(
+        default="none",
+        description="Off-policy correction against the sampler's (behaviour) log-probs: the "
+        "ratio against the trainer's own log-probs before the update, each token weighted by "
+        "rho = p_trainer / p_sampler truncated at is_cap (tis), dropped outside mis_band (mis), "
+        "or unclipped and dropped over is_cap (decoupled PPO, AReaL); none = the ratio against "
+        "the sampler's. tis_cap C is the same as tis with is_cap C.",
+    )
+    is_cap: float = Field(
+        default=2.0, gt=1, description="tis: the truncation of rho; decoupled: the drop cap."
+    )
+    mis_band: tuple[float, float] = Field(
+        default=(0.5, 2.0), description="mis: tokens whose rho leaves [low, high] are dropped."
+    )
     kl_coef: float = Field(
         default=0.0,
         ge=0,
@@ -290,6 +304,31 @@ class AlgorithmSection(_Section, title="Algorithm"):
     def _known_kl(cls, v: str) -> str:
         return _known(v, KL_ESTIMATOR_NAMES, "KL estimator")
 
+    @field_validator("mis_band")
+    @classmethod
+    def _band(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not 0.0 < v[0] < 1.0 < v[1]:
+            raise ValueError(f"mis_band must be [low, high] with 0 < low < 1 < high, got {list(v)}")
+        return v
+
+    @model_validator(mode="after")
+    def _one_correction(self) -> AlgorithmSection:
+        if self.tis_cap is not None and self.is_correction not in ("none", "tis"):
+            raise ValueError(
+                f"algorithm.tis_cap and is_correction {self.is_correction!r} are two "
+                "corrections: set one"
+            )
+        return self
+
+    def correction(self) -> dict[str, Any] | None:
+        """The off-policy correction the trainer applies (``hf_workers._off_policy_correction``),
+        or None."""
+        if self.tis_cap is not None:
+            return {"name": "tis", "cap": self.tis_cap}
+        if self.is_correction == "none":
+            return None
+        return {"name": self.is_correction, "cap": self.is_cap, "band": list(self.mis_band)}
+
     def loss_config(self) -> dict[str, Any]:
         """The options ``TorchTrainer.forward_backward`` passes to the loss (KL in the loss
         only when ``kl_in == "loss"``)."""
@@ -298,7 +337,7 @@ class AlgorithmSection(_Section, title="Algorithm"):
             "clip_eps": self.clip_eps,
             "clip_eps_high": self.clip_eps_high,
             "loss_agg": self.loss_agg,
-            "tis_cap": self.tis_cap,
+            "is_correction": self.correction(),
             "kl_coef": kl_coef,
             "kl_estimator": self.kl_estimator,
         }

@@ -12,12 +12,15 @@ from flowrl.backends.algorithms import (
     LOSS_AGGREGATIONS,
     POLICY_LOSSES,
     cispo_loss,
+    decoupled_is_weights,
     dr_grpo_advantages,
     get_advantage_estimator,
     get_policy_loss,
     grpo_advantages,
     gspo_loss,
     kl_penalized_rewards,
+    masked_is_weights,
+    off_policy_correction,
     ppo_clip_loss,
     reinforce_pp_advantages,
     rloo_advantages,
@@ -370,11 +373,121 @@ def test_truncated_is_weights_match_hand_values():
     weights, metrics = truncated_is_weights(trainer_old, sampler, mask, cap=2.0)
     assert close(weights, [[1.5, 0.5, 2.0], [1.0, 1.0, 1.0]])
     assert not weights.requires_grad  # a weight, never a path for the gradient
-    assert metrics == pytest.approx({"tis_weight_mean": 1.25, "tis_clip_frac": 0.25})
+    # is_ratio_*: the raw ratios of the mask-1 tokens, 1.5, .5, 4, 1
+    assert metrics == pytest.approx(
+        {
+            "tis_weight_mean": 1.25,
+            "tis_clip_frac": 0.25,
+            "is_ratio_mean": 1.75,
+            "is_ratio_min": 0.5,
+            "is_ratio_max": 4.0,
+        }
+    )
     _, none = truncated_is_weights(trainer_old, sampler, torch.zeros(2, 3), cap=2.0)
-    assert none == {"tis_weight_mean": 0.0, "tis_clip_frac": 0.0}
+    assert none == dict.fromkeys(metrics, 0.0)
     with pytest.raises(ValueError, match="cap > 1"):
         truncated_is_weights(trainer_old, sampler, mask, cap=1.0)
+
+
+def _is_batch():
+    """The TIS test's batch: raw ratios rho = [[1.5, .5, 4], [1, 3, 1]], mask [[1,1,1],[1,0,0]]."""
+    sampler = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -4.0, -6.0]])
+    prox = sampler + torch.log(torch.tensor([[1.5, 0.5, 4.0], [1.0, 3.0, 1.0]]))
+    return prox, sampler, torch.tensor([[1, 1, 1], [1, 0, 0]])
+
+
+def test_masked_is_weights_match_hand_values():
+    # band (.6, 2): (0,0) 1.5 kept as 1.5; (0,1) .5 < .6 dropped; (0,2) 4 > 2 dropped; (1,0) 1
+    # kept; masked tokens weigh 1 and are not counted.
+    # mis_weight_mean = (1.5 + 0 + 0 + 1) / 4 = .625; mis_masked_frac = 2 / 4
+    prox, sampler, mask = _is_batch()
+    weights, metrics = masked_is_weights(prox, sampler, mask, (0.6, 2.0))
+    assert close(weights, [[1.5, 0.0, 0.0], [1.0, 1.0, 1.0]], tol=1e-6)
+    assert metrics == pytest.approx(
+        {
+            "mis_weight_mean": 0.625,
+            "mis_masked_frac": 0.5,
+            "is_ratio_mean": 1.75,
+            "is_ratio_min": 0.5,
+            "is_ratio_max": 4.0,
+        }
+    )
+    for band in [(1.0, 2.0), (0.5, 1.0), (0.0, 2.0)]:
+        with pytest.raises(ValueError, match="0 < low < 1 < high"):
+            masked_is_weights(prox, sampler, mask, band)
+
+
+def test_decoupled_is_weights_match_hand_values():
+    # w = pi_prox / pi_behaviour unclipped: 1.5, .5, 4, 1; with cap 3 the 4 is dropped.
+    # decoupled_weight_mean = (1.5 + .5 + 0 + 1) / 4 = .75; decoupled_masked_frac = 1 / 4
+    prox, sampler, mask = _is_batch()
+    weights, metrics = decoupled_is_weights(prox, sampler, mask, cap=3.0)
+    assert close(weights, [[1.5, 0.5, 0.0], [1.0, 1.0, 1.0]], tol=1e-6)
+    assert metrics["decoupled_weight_mean"] == pytest.approx(0.75)
+    assert metrics["decoupled_masked_frac"] == pytest.approx(0.25)
+    uncapped, metrics = decoupled_is_weights(prox, sampler, mask, cap=None)
+    assert close(uncapped, [[1.5, 0.5, 4.0], [1.0, 1.0, 1.0]], tol=1e-6)
+    assert metrics["decoupled_masked_frac"] == 0.0
+    with pytest.raises(ValueError, match="> 1"):
+        decoupled_is_weights(prox, sampler, mask, cap=0.9)
+
+
+def _reference_ppo(new, prox, behaviour, advantages, mask, weigh, eps=0.2):
+    """The corrected PPO-clip loss and its gradient written out per token in plain Python:
+    r = exp(logp - logp_prox), w = weigh(exp(logp_prox - logp_behaviour)),
+    term = -w * min(r * A, clip(r, 1 - eps, 1 + eps) * A), token-mean over mask-1 tokens;
+    d term / d logp = -w * r * A where the unclipped term is the smaller (or r is inside the
+    clip range), else 0."""
+    count = sum(sum(row) for row in mask)
+    loss, grad = 0.0, [[0.0] * len(row) for row in mask]
+    for b, row in enumerate(mask):
+        a = advantages[b]
+        for t, m in enumerate(row):
+            if not m:
+                continue
+            r = math.exp(new[b][t] - prox[b][t])
+            w = weigh(math.exp(prox[b][t] - behaviour[b][t]))
+            unclipped, clipped = r * a, min(max(r, 1 - eps), 1 + eps) * a
+            loss += -w * min(unclipped, clipped) / count
+            if unclipped <= clipped or 1 - eps < r < 1 + eps:
+                grad[b][t] = -w * r * a / count
+    return loss, grad
+
+
+@pytest.mark.parametrize(
+    ("name", "cap", "band", "weigh"),
+    [
+        ("tis", 2.0, None, lambda rho: min(rho, 2.0)),
+        ("mis", None, (0.6, 2.0), lambda rho: rho if 0.6 <= rho <= 2.0 else 0.0),
+        ("decoupled", 3.0, None, lambda rho: rho if rho <= 3.0 else 0.0),
+        ("decoupled", None, None, lambda rho: rho),
+    ],
+)
+def test_each_correction_s_loss_and_gradient_equal_the_formula(name, cap, band, weigh):
+    """Issue 43: the current policy a few steps from the proximal one (ratios inside and
+    outside the clip range), the behaviour policy further back; loss and gradient of
+    ``ppo_clip_loss`` with the correction's weights, against the per-token formula."""
+    prox, behaviour, _ = _is_batch()
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    new = (prox + torch.log(torch.tensor([[1.1, 0.7, 1.3], [0.9, 1.25, 1.0]]))).double()
+    new.requires_grad_(True)
+    advantages = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    correction = off_policy_correction(name, cap, band or (0.5, 2.0))
+    weights, _ = correction(prox.double(), behaviour.double(), mask)
+    loss, _ = ppo_clip_loss(new, prox.double(), advantages, mask, weights_B_T=weights)
+    loss.backward()
+    expected_loss, expected_grad = _reference_ppo(
+        new.tolist(), prox.tolist(), behaviour.tolist(), advantages.tolist(), mask.tolist(), weigh
+    )
+    assert loss.item() == pytest.approx(expected_loss, abs=1e-6)
+    assert close(new.grad, expected_grad, tol=1e-6)
+
+
+def test_an_unknown_correction_or_a_tis_without_cap_is_refused():
+    with pytest.raises(KeyError, match="known: decoupled, mis, tis"):
+        off_policy_correction("vtrace")
+    with pytest.raises(ValueError, match="cap"):
+        off_policy_correction("tis", None)
 
 
 def test_ppo_clip_with_weights_matches_hand_values():

@@ -67,6 +67,10 @@ def test_overrides_are_typed_and_nested():
         (["algorithm.clip_eps_high=nan"], "algorithm.clip_eps_high"),
         (["algorithm.tis_cap=1"], "algorithm.tis_cap"),  # a cap of 1 or less weights nothing up
         (["algorithm.tis_cap=0.5"], "algorithm.tis_cap"),
+        (["algorithm.is_correction=vtrace"], "algorithm.is_correction"),
+        (["algorithm.mis_band=[1.0,2.0]"], "algorithm.mis_band"),
+        (["algorithm.is_cap=1"], "algorithm.is_cap"),
+        (["algorithm.tis_cap=2", "algorithm.is_correction=mis"], "algorithm"),
         (["env.name=gomoku", "env.params.win_reward=inf"], "env.params.win_reward"),
         (["env.name=tool_math", "env.params.format_reward=nan"], "env.params.format_reward"),
     ],
@@ -78,8 +82,15 @@ def test_bad_values_name_the_field(overrides, named):
 
 
 def test_tis_cap_is_off_by_default_reaches_the_loss_config_and_must_exceed_one():
-    assert load_job(None).algorithm.loss_config()["tis_cap"] is None
-    assert load_job(None, ["algorithm.tis_cap=2"]).algorithm.loss_config()["tis_cap"] == 2.0
+    assert load_job(None).algorithm.loss_config()["is_correction"] is None
+    tis = {"name": "tis", "cap": 2.0}
+    assert load_job(None, ["algorithm.tis_cap=2"]).algorithm.loss_config()["is_correction"] == tis
+    mis = ["algorithm.is_correction=mis", "algorithm.mis_band=[0.8,1.25]"]
+    assert load_job(None, mis).algorithm.loss_config()["is_correction"] == {
+        "name": "mis",
+        "cap": 2.0,
+        "band": [0.8, 1.25],
+    }
     with pytest.raises(ConfigError, match=r"algorithm\.tis_cap.*greater than 1"):
         load_job(None, ["algorithm.tis_cap=1.0"])
 

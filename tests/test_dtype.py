@@ -210,3 +210,37 @@ def test_gpu_check_runs_on_cpu_at_the_tiny_size_without_orchestration(tmp_path):
         else:
             assert float(max_diff) < BF16_LOGPROB_ATOL and float(step_kl) < 1e-3
     assert "vLLM" in text and "skipped: the vLLM sampler needs CUDA" in text
+
+
+@pytest.mark.parametrize(
+    ("correction", "weigh"),
+    [
+        ({"name": "mis", "band": [0.998, 1.002]}, lambda r: r if 0.998 <= r <= 1.002 else 0.0),
+        ({"name": "decoupled", "cap": 1.002}, lambda r: r if r <= 1.002 else 0.0),
+    ],
+)
+def test_masked_and_decoupled_corrections_weigh_the_bf16_samplers_tokens(
+    model_dir, prompts, tmp_path, correction, weigh
+):
+    """``is_correction`` (issue 43) in the trainer: the ratio against the trainer's own
+    log-probs, each token weighed by its correction's weight of ``p_trainer / p_sampler``; with
+    every advantage 1 the loss is minus the mean weight, the tokens out of band or over the
+    cap dropped as the trainer's recomputed log-probs say."""
+    spec = WorkerSpec(model_uri=model_dir, cache_dir=str(tmp_path), device="cpu")
+    sampler = HFSampler(spec.model_copy(update={"dtype": "bfloat16"}))
+    trainer = TorchTrainer(spec)
+    data = as_data(prompts, sampler.sample(prompts, 12, 1.0, seed=0))
+    expected_w = [
+        weigh(math.exp(t - s))
+        for d, row in zip(data, trainer.compute_logprobs(data), strict=True)
+        for t, s, m in zip(row, d.old_logprobs, d.loss_mask, strict=True)
+        if m
+    ]
+    metrics = trainer.forward_backward(data, "ppo_clip", {"is_correction": correction})
+    name = correction["name"]
+    assert metrics["ratio_mean"] == 1.0 and metrics["clip_fraction"] == 0.0
+    assert metrics["loss"] == pytest.approx(-metrics[f"{name}_weight_mean"], abs=1e-6)
+    assert metrics[f"{name}_weight_mean"] == pytest.approx(statistics.mean(expected_w), abs=0.02)
+    dropped = sum(w == 0.0 for w in expected_w) / len(expected_w)
+    assert 0.0 < metrics[f"{name}_masked_frac"] == pytest.approx(dropped, abs=0.05)
+    assert metrics["is_ratio_min"] <= 1.0 <= metrics["is_ratio_max"]
