@@ -22,8 +22,10 @@ the result of a successful call of this episode, i.e. the answer relies on the t
 from __future__ import annotations
 
 import json
+import math
 import random
 import re
+import time
 from functools import lru_cache
 from typing import Any, Literal
 
@@ -80,6 +82,21 @@ def parse_tool_call(action: str) -> str | None:
     return arguments["expr"]
 
 
+_Z99 = 2.3263478740408408  # the standard normal's 99th percentile
+
+
+def tool_latency_s(question: str, call: int, median_s: float, p99_s: float) -> float:
+    """How long tool call ``call`` of the episode of ``question`` waits: log-normal with the
+    given median and 99th percentile (a heavy tail: median 0.05 s, p99 2 s puts one call in
+    a thousand over ~7 s). Drawn from (question, call) alone, so an episode waits the same
+    whatever else runs beside it, and seeded runs stay reproducible."""
+    if median_s <= 0:
+        return 0.0
+    sigma = math.log(p99_s / median_s) / _Z99
+    rng = random.Random(f"flowrl.tool_math.latency:{question}:{call}")
+    return rng.lognormvariate(math.log(median_s), sigma)
+
+
 class ToolMathEnv:
     """One question; tool calls answered as TOOL messages; the first plain turn is the answer."""
 
@@ -92,8 +109,10 @@ class ToolMathEnv:
         max_tool_calls: int = 3,
         correct_reward: float = 1.0,
         format_reward: float = 0.0,
+        tool_latency: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         self.system_prompt = system_prompt
+        self.tool_latency = tool_latency
         self.max_tool_calls = max_tool_calls
         self.correct_reward = correct_reward
         self.format_reward = format_reward
@@ -123,6 +142,9 @@ class ToolMathEnv:
         self._calls += 1
         if self._calls > self.max_tool_calls:
             return self._tool_reply(f"error: at most {self.max_tool_calls} calls", ok=False)
+        wait = tool_latency_s(self._question, self._calls, *self.tool_latency)
+        if wait > 0:
+            time.sleep(wait)  # a slow tool (a remote service): the episode waits, nothing else
         try:
             result = calculate(expr)
         except CalculatorError as exc:
@@ -185,6 +207,12 @@ class ToolMathTask(BaseModel):
         200, ge=1, le=10_000, description="Number of held-out evaluation problems."
     )
     seed: int = Field(0, description="Seed of the eval split and of the training stream.")
+    tool_latency_median_s: float = Field(
+        0.0, ge=0, le=60, description="Median wait of a tool call (log-normal); 0 = none."
+    )
+    tool_latency_p99_s: float = Field(
+        0.0, ge=0, le=600, description="99th percentile of a tool call's wait (>= the median)."
+    )
     system_prompt: str = Field(
         DEFAULT_SYSTEM_PROMPT, description="System prompt shown to the policy (states the format)."
     )
@@ -193,6 +221,11 @@ class ToolMathTask(BaseModel):
     def _check(self) -> ToolMathTask:
         if self.min_operand > self.max_operand:
             raise ValueError(f"min_operand ({self.min_operand}) > max_operand ({self.max_operand})")
+        if self.tool_latency_median_s > 0 and self.tool_latency_p99_s < self.tool_latency_median_s:
+            raise ValueError(
+                f"tool_latency_p99_s ({self.tool_latency_p99_s}) is under "
+                f"tool_latency_median_s ({self.tool_latency_median_s})"
+            )
         if len(set(self.forms)) != len(self.forms):
             raise ValueError(f"forms has duplicates: {self.forms}")
         _eval_rows(*self._space(), self.eval_size)  # raises if the space is too small
@@ -238,6 +271,7 @@ class ToolMathTask(BaseModel):
             max_tool_calls=self.max_tool_calls,
             correct_reward=self.correct_reward,
             format_reward=self.format_reward,
+            tool_latency=(self.tool_latency_median_s, self.tool_latency_p99_s),
         )
 
 

@@ -16,6 +16,7 @@ from flowrl.environments.tool_math import (
     ToolMathTask,
     parse_tool_call,
     tool_call_text,
+    tool_latency_s,
 )
 
 ROW = {"question": "47*86=", "answer": "4042", "expr": "47*86"}
@@ -174,6 +175,30 @@ def test_task_config_is_validated_with_the_field_named():
         ToolMathTask(min_operand=1, max_operand=2, eval_size=10)
     assert isinstance(make_task("tool_math", {"eval_size": 5}), ToolMathTask)
     assert "Tool" in DEFAULT_SYSTEM_PROMPT and "<tool_call>" in DEFAULT_SYSTEM_PROMPT
+
+
+def test_tool_latency_is_heavy_tailed_and_the_same_for_the_same_call():
+    """Issue 43's long-tailed tool: log-normal waits with the configured median and p99, drawn
+    from (question, call) alone."""
+    import statistics
+
+    waits = sorted(tool_latency_s(f"{i}*7=", 1, 0.05, 2.0) for i in range(20_000))
+    assert statistics.median(waits) == pytest.approx(0.05, rel=0.05)
+    assert waits[int(0.99 * len(waits))] == pytest.approx(2.0, rel=0.15)
+    assert tool_latency_s("47*86=", 1, 0.05, 2.0) == tool_latency_s("47*86=", 1, 0.05, 2.0)
+    assert tool_latency_s("47*86=", 1, 0.05, 2.0) != tool_latency_s("47*86=", 2, 0.05, 2.0)
+    assert tool_latency_s("47*86=", 1, 0.0, 0.0) == 0.0
+    with pytest.raises(ValidationError, match="tool_latency_p99_s"):
+        ToolMathTask(tool_latency_median_s=0.5, tool_latency_p99_s=0.1)
+
+
+def test_a_slow_tool_waits_before_answering():
+    import time
+
+    env = fresh_env(tool_latency=(0.2, 0.2))  # sigma 0: every call waits 0.2 s
+    began = time.perf_counter()
+    result = env.step(tool_call_text("47*86"))
+    assert time.perf_counter() - began >= 0.2 and result.observation == "4042"
 
 
 # --- through the agent loop ------------------------------------------------------------------

@@ -159,8 +159,8 @@ class OpenAIService:
     # ------------------------------------------------------------------- models
 
     def list_models(self, namespace: str | None) -> list[dict[str, Any]]:
-        """The catalogue's base models and the namespace's registered models (each as
-        ``models:/<name>/<latest>`` and one entry per alias)."""
+        """The catalogue's base models, the namespace's running jobs (``job:<name>``) and its
+        registered models (each as ``models:/<name>/<latest>`` and one entry per alias)."""
         ids = sorted(self.catalogue)
         ids += [f"job:{job}" for job in self._running_jobs(namespace)]
         for name, latest, aliases in self._registered(namespace):
