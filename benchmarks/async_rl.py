@@ -2,18 +2,17 @@
 share, held-out accuracy and peak memory of ``flowrl train configs/tool-math.yaml`` whose tool
 calls wait a log-normal time (median 0.05 s, p99 2 s: ``tool_math``'s ``tool_latency_*``).
 
-    python benchmarks/async_rl.py --steps 20 --out docs/benchmarks/async.md
+    python benchmarks/async_rl.py --steps 40 --out docs/benchmarks/async.md
 
-One fresh home; the first run also fills the SFT warm-up cache, which the others reuse (its
-time is not in any figure below). Per staleness bound ``k``, one ``flowrl train`` of
-``--steps`` RL steps, its process tree's PSS sampled every 0.5 s. From the run's MLflow
-metrics: RL wall time (the sum of ``time/step_s``), samples/s (episodes trained per second of
-it), the trainer's idle share (1 - update time / RL wall time) and held-out accuracy before
-and after RL (``eval/accuracy`` at step 0 and at the end).
-
-Staleness bounds run today: 0 (on-policy: rollout, update, sync in turn) and 1 (the next
-step's rollout sampled while this step's update runs: ``schedule.off_policy_steps: 1``).
-Bounds of 2 and more are the rest of issue 43 and are listed as not built.
+One fresh home; the first run also fills the SFT warm-up cache (to held-out accuracy 0.2, so
+RL has room), which the others reuse (its time is in no figure below). Per staleness bound
+``k`` (``schedule.max_staleness``), one ``flowrl train`` of ``--steps`` RL steps (more for
+the faster bounds: ``LONGER``) with a held-out evaluation (50 rows) every 10, its process
+tree's PSS sampled every 0.5 s. From the run's MLflow metrics: RL wall time (from the
+evaluation before RL to the last step's end), samples/s (episodes trained per second of it),
+the trainer's idle share (1 - update time / RL wall time), held-out accuracy before and after
+RL, and held-out accuracy at equal wall time: each run's last evaluation within the k = 0
+run's RL wall time.
 """
 
 from __future__ import annotations
@@ -32,19 +31,26 @@ from footprint import TreePeak, watch
 
 REPO = Path(__file__).resolve().parents[1]
 FLOWRL = str(Path(sys.executable).with_name("flowrl"))
-BUILT = (0, 1)
+BOUNDS = (0, 1, 2, 4, 8)
+LONGER = {0: 1.0, 1: 1.25, 2: 2.0, 4: 2.5, 8: 2.5}
+"""Steps of each bound, times ``--steps``: the faster runs train longer, so that each has
+evaluations up to the on-policy run's RL wall time (the equal wall time of the table)."""
 LATENCY = ["env.params.tool_latency_median_s=0.05", "env.params.tool_latency_p99_s=2.0"]
+EVAL_EVERY = 10
 
 
 def run(home: Path, k: int, steps: int) -> dict[str, float]:
     """One job at staleness bound ``k``: its figures."""
-    name = f"async-k{k}"
+    name = f"async-k{k}-{int(time.time())}"  # a new job (one of a reused home would resume)
     overrides = [
         f"name={name}",
         f"schedule.steps={steps}",
-        f"schedule.eval_every={steps}",
+        f"schedule.eval_every={EVAL_EVERY}",
         f"schedule.checkpoint_every={steps}",
-        f"schedule.off_policy_steps={k}",
+        f"schedule.max_staleness={k}",
+        "env.params.eval_size=50",
+        "warmup.target_accuracy=0.2",
+        "warmup.eval_every=10",
         *LATENCY,
     ]
     cmd = [FLOWRL, "train", "configs/tool-math.yaml"]
@@ -69,57 +75,77 @@ def run(home: Path, k: int, steps: int) -> dict[str, float]:
 
     client = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}")
 
-    def history(metric: str) -> list[float]:
+    def history(metric: str) -> list[tuple[int, float, float]]:
         points = sorted(client.get_metric_history(run_id, metric), key=lambda m: m.step)
-        return [m.value for m in points]
+        return [(m.step, m.timestamp / 1000, m.value) for m in points]
 
-    rl_s = sum(history("time/step_s"))
-    update_s = sum(history("time/update_s"))
+    steps_s = history("time/step_s")
+    accuracy = history("eval/accuracy") + history("final/accuracy")
+    began = accuracy[0][1]  # the evaluation before RL is logged as RL begins
+    rl_s = steps_s[-1][1] - began
+    update_s = sum(v for _, _, v in history("time/update_s"))
     params = client.get_run(run_id).data.params
     episodes = steps * int(params["rollout.prompts_per_step"]) * int(params["rollout.group_size"])
-    accuracy = history("eval/accuracy")
+    dropped = sum(v for _, _, v in history("train/dropped_batches"))
     return {
         "k": k,
+        "steps": steps,
         "rl_s": rl_s,
         "samples_per_s": episodes / rl_s,
         "idle": 1.0 - update_s / rl_s,
-        "acc_start": accuracy[0],
-        "acc_end": accuracy[-1],
+        "curve": [(t - began, v) for _, t, v in accuracy],
+        "dropped": dropped,
+        "staleness": [v for _, _, v in history("train/staleness")],
         "peak_pss_mb": peak.pss,
         "wall_s": wall,
     }
 
 
-def report(rows: list[dict[str, float]], steps: int, label: str) -> str:
+def report(rows: list[dict], steps: int, label: str) -> str:
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
+    budget = rows[0]["rl_s"]  # the first bound's (k = 0's) RL wall time
+    base = rows[0]["samples_per_s"]
     lines = [
         f"## {label} — {when}",
         "",
-        f"`python benchmarks/async_rl.py --steps {steps}` (tiny model, "
-        f"configs/tool-math.yaml, 16 prompts × 8 a step, tool waits median 0.05 s / p99 2 s)",
+        f"`python benchmarks/async_rl.py --steps {steps}` (tiny model, configs/tool-math.yaml, "
+        f"16 prompts × 8 a step, tool waits median 0.05 s / p99 2 s; steps: k = 0 "
+        f"{steps}, the others more (`LONGER`); equal wall time = {budget:.0f} s of RL, the "
+        "first run's)",
         "",
-        "| k (staleness bound) | RL wall s | samples/s | trainer idle | held-out accuracy | "
-        "peak PSS MB |",
-        "|--:|--:|--:|--:|--:|--:|",
+        "| k | steps | RL wall s | samples/s | vs k = 0 | trainer idle | held-out accuracy | "
+        "at equal wall time | staleness mean | dropped batches | peak PSS MB |",
+        "|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for r in rows:
+        curve = r["curve"]
+        at_budget = [v for t, v in curve if t <= budget + 1e-6][-1]
+        stale = sum(r["staleness"]) / max(len(r["staleness"]), 1)
         lines.append(
-            f"| {r['k']:.0f} | {r['rl_s']:.1f} | {r['samples_per_s']:.1f} | {r['idle']:.0%} | "
-            f"{r['acc_start']:.3f} → {r['acc_end']:.3f} | {r['peak_pss_mb']:.0f} |"
+            f"| {r['k']} | {r['steps']} | {r['rl_s']:.1f} | {r['samples_per_s']:.1f} | "
+            f"{r['samples_per_s'] / base:.2f}× | {r['idle']:.0%} | "
+            f"{curve[0][1]:.2f} → {curve[-1][1]:.2f} | {at_budget:.2f} | {stale:.2f} | "
+            f"{r['dropped']:.0f} | {r['peak_pss_mb']:.0f} |"
         )
-    for k in (2, 4, 8):
-        lines.append(f"| {k} | not built yet | | | | |")
+    lines += ["", "Held-out accuracy by seconds of RL (every evaluation):", ""]
+    for r in rows:
+        points = ", ".join(f"{t:.0f} s {v:.2f}" for t, v in r["curve"])
+        lines.append(f"- k = {r['k']}: {points}")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--bounds", default=",".join(map(str, BOUNDS)), help="k values")
     parser.add_argument("--label", default="run")
     parser.add_argument("--out", help="append the table to this markdown file")
+    parser.add_argument("--home", help="FLOWRL_HOME to use (its warm-up cache kept); default new")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="flowrl-async-") as home:
-        rows = [run(Path(home), k, args.steps) for k in BUILT]
+    with tempfile.TemporaryDirectory(prefix="flowrl-async-") as fresh:
+        home = Path(args.home or fresh)
+        bounds = [int(k) for k in args.bounds.split(",")]
+        rows = [run(home, k, round(args.steps * LONGER.get(k, 1.0))) for k in bounds]
     text = report(rows, args.steps, args.label)
     print(text)
     if args.out:

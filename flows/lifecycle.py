@@ -58,7 +58,7 @@ class RayStageRunner(ThreadPoolTaskRunner):
     test session's), else the cluster at ``FLOWRL_RAY_ADDRESS``, else a local Ray started with
     only what a job needs (``connect_ray``); it stops only a Ray it started."""
 
-    def __init__(self, max_workers: int = 4):
+    def __init__(self, max_workers: int = 12):  # up to 8 rollouts ahead (max_staleness), + 4
         super().__init__(max_workers=max_workers)
         self._owns_ray = False
 

@@ -78,9 +78,9 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
         # looking for futures on every submit (~1 ms a task run at the default job).
         cfg, ctx = quote(config), quote(job.ctx)
         rollouts = RolloutStream(
-            lambda step, at: rollout.submit(cfg, ctx, warm.model_uri, policy, step, at),
+            lambda step, at, skip: rollout.submit(cfg, ctx, warm.model_uri, policy, step, at, skip),
             cursor,
-            ahead=config.schedule.off_policy_steps,
+            ahead=config.schedule.staleness_bound,
             total_steps=config.schedule.steps,
         )
         clock = StepClock()
@@ -89,7 +89,7 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
         plan += f", resumed from the checkpoint at step {start}" if resumed else ", fresh start"
         with job.phase("RL", plan) as phase:
             for step in job.steps(start, total):
-                batch = rollouts.take(step)  # off_policy_steps 1: starts step + 1's rollout too
+                batch = rollouts.take(step)  # max_staleness k: starts steps up to step + k too
                 scored = score.submit(cfg, ctx, policy, quote(batch)).result()
                 updated = update.submit(cfg, ctx, policy, quote(scored)).result()
                 settled = rollouts.settle(policy)  # then eval and checkpoints see no rollout

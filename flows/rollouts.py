@@ -1,5 +1,5 @@
-"""The RL flow's rollouts, on-policy or sampled one step ahead of their update, and the time
-accounting of a step."""
+"""The RL flow's rollouts, on-policy or sampled up to k steps ahead of their update
+(``schedule.max_staleness``), and the time accounting of a step."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ class Settled:
     """What ``RolloutStream.settle`` waited for (off-policy): the rollout sampled ahead, and
     the weight sync after it."""
 
-    rollout_ahead_seconds: float
+    rollout_ahead_seconds: float | None
+    """None with k >= 2: the flow waits for no rollout there."""
     sync_seconds: float
 
 
@@ -32,9 +33,10 @@ def step_times(
     if settled is None:
         critical, sync = scored.rollout_seconds + stages, update.sync_seconds
     else:
-        critical = max(settled.rollout_ahead_seconds, stages) + settled.sync_seconds
+        critical = max(settled.rollout_ahead_seconds or 0.0, stages) + settled.sync_seconds
         sync = settled.sync_seconds
-    ahead = {} if settled is None else {"time/rollout_ahead_s": settled.rollout_ahead_seconds}
+    waited = None if settled is None else settled.rollout_ahead_seconds
+    ahead = {} if waited is None else {"time/rollout_ahead_s": waited}
     return ahead | {
         "time/rollout_s": scored.rollout_seconds,
         "time/reward_s": scored.seconds,
@@ -47,8 +49,8 @@ def step_times(
 
 
 class RolloutStream:
-    """The run's rollouts, each started ``ahead`` steps before its update
-    (``schedule.off_policy_steps``).
+    """The run's rollouts, each started up to ``ahead`` steps before its update
+    (``schedule.max_staleness``, k).
 
     ``ahead=0``: step n's rollout starts when ``take(n)`` is called, after update n-1 and its
     weight sync: on-policy. ``ahead=1``: as soon as step n's batch is in, step n+1's rollout
@@ -56,15 +58,22 @@ class RolloutStream:
     for it and syncs the weights. Each batch is sampled by weights one update behind the trainer
     (staleness 1; the first step and the first step after a resume: 0).
 
-    Between ``settle`` and the next ``take`` nothing runs: eval and checkpoints see the sampler
-    equal to the trainer. A checkpoint's cursor is that of the last *trained* batch, so the
-    rollout sampled ahead is not in it: a resumed run samples that step again, from the
-    checkpoint's weights.
+    ``ahead=k >= 2`` (asynchronous): when step n's batch is in, the rollouts of steps n+1 …
+    n+k are running (each started once, side by side, each on the rows after the one before:
+    it skips the batches of the steps between the last known cursor and its own), and
+    ``settle`` syncs the weights at once, without waiting for them: a rollout in flight samples
+    its later calls with the newer weights. A batch is trained at most k updates after the
+    weights its rollout started with (``tasks.rl.update`` drops one further behind, counted).
+
+    With ``ahead <= 1``, between ``settle`` and the next ``take`` nothing runs: eval and
+    checkpoints see the sampler equal to the trainer. A checkpoint's cursor is that of the last
+    *trained* batch, so the rollouts sampled ahead are not in it: a resumed run samples those
+    steps again, from the checkpoint's weights.
     """
 
     def __init__(
         self,
-        start_rollout: Callable[[int, dict | None], PrefectFuture],
+        start_rollout: Callable[[int, dict | None, int], PrefectFuture],
         cursor: dict | None,
         ahead: int,
         total_steps: int,
@@ -73,22 +82,28 @@ class RolloutStream:
         self._cursor = cursor
         self._ahead = ahead
         self._total = total_steps
-        self._pending: PrefectFuture | None = None
+        self._pending: dict[int, PrefectFuture] = {}
 
     def take(self, step: int) -> RolloutBatch:
-        """Step ``step``'s batch; with ``ahead=1`` also starts step ``step + 1``'s rollout."""
-        future = self._pending or self._start(step, self._cursor)
+        """Step ``step``'s batch; with ``ahead=k`` also starts the rollouts up to step
+        ``step + k`` that are not running yet."""
+        future = self._pending.pop(step, None) or self._start(step, self._cursor, 0)
         batch = future.result()
-        self._cursor, self._pending = batch.cursor, None
-        if self._ahead and step + 1 < self._total:
-            self._pending = self._start(step + 1, batch.cursor)
+        self._cursor = batch.cursor
+        for later in range(step + 1, min(step + self._ahead, self._total - 1) + 1):
+            if later not in self._pending:  # the rows after step `step`'s, and the ones between
+                self._pending[later] = self._start(later, batch.cursor, later - step - 1)
         return batch
 
     def settle(self, policy: PolicyRef) -> Settled | None:
-        """After an update: wait for the rollout sampled ahead, then sync the weights (with
-        ``ahead=0`` the update has synced them already: None)."""
+        """After an update: with ``ahead=1`` wait for the rollout sampled ahead, then sync the
+        weights; with ``ahead >= 2`` sync them at once (the rollouts in flight go on); with
+        ``ahead=0`` the update has synced them already: None."""
         if not self._ahead:
             return None
-        ahead_s = self._pending.result().seconds if self._pending is not None else 0.0
+        if self._ahead >= 2:
+            return Settled(rollout_ahead_seconds=None, sync_seconds=weight_sync(policy))
+        pending = self._pending.get(min(self._pending)) if self._pending else None
+        ahead_s = pending.result().seconds if pending is not None else 0.0
         # Called, not submitted: a task run in the flow process (~5 ms, not a Ray task's ~150).
         return Settled(rollout_ahead_seconds=ahead_s, sync_seconds=weight_sync(policy))

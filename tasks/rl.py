@@ -45,13 +45,18 @@ def rollout(
     policy: PolicyRef,
     step: int,
     cursor: dict | None,
+    skip: int = 0,
 ) -> RolloutBatch:
-    """Sample ``group_size`` episodes for each of the step's data rows."""
+    """Sample ``group_size`` episodes for each of the step's data rows: the rows after
+    ``cursor``, past ``skip`` steps' batches (rollouts started side by side with
+    ``schedule.max_staleness`` >= 2, before the steps between are in)."""
     start = time.perf_counter()
     task_cfg = cfg.env.task(cfg.seed)
     source = task_cfg.train_source()
     if cursor:
         source.load_state(cursor)
+    for _ in range(skip):
+        source.next_batch(cfg.rollout.prompts_per_step)
     rows = source.next_batch(cfg.rollout.prompts_per_step)
     version = sampler_weights_version(policy)
     trajectories = run_group_episodes(
@@ -64,7 +69,10 @@ def rollout(
         seed=derived_seed(cfg.seed, "rollout", step),
         id_prefix=f"s{step}",
     )
-    if sampler_weights_version(policy) != version:  # a sync mid-rollout mixes two policies
+    # Up to one step off, a sync mid-rollout would mix two policies: a bug in the pipeline. With
+    # k >= 2 it is how the run goes on (the batch's version is the one it started with; every
+    # token keeps the log-prob it was sampled with, which the corrections weigh against).
+    if cfg.schedule.staleness_bound <= 1 and sampler_weights_version(policy) != version:
         raise RuntimeError(f"step {step}: the sampler's weights changed during the rollout")
     rel = f"{ctx.step_dir(step)}/trajectories.json"
     save_trajectories(Storage(ctx.storage_url), rel, trajectories)
@@ -134,8 +142,10 @@ def update(
 ) -> UpdateResult:
     """One optimiser step on the scored batch, then weight sync trainer → sampler.
 
-    With ``schedule.off_policy_steps: 1`` the next step's rollout is still running on the
-    sampler: the flow syncs once it ends (``weight_sync``), so no rollout mixes two policies.
+    With ``schedule.max_staleness: 1`` the next step's rollout is still running on the
+    sampler: the flow syncs once it ends (``weight_sync``), so no rollout mixes two policies;
+    with k >= 2 the flow syncs at once. A batch more than k updates behind the trainer is
+    dropped there (``train/dropped_batches``), with k >= 2 only (below, a bug: it fails).
     """
     start = time.perf_counter()
     storage = Storage(ctx.storage_url)
@@ -144,6 +154,10 @@ def update(
         return UpdateResult({"train/skipped": 1.0}, time.perf_counter() - start)
     worker = trainer(policy)
     staleness = _staleness(cfg, worker, scored)
+    if staleness.get("dropped_batches"):
+        discard(storage, ctx.step_dir(scored.step))
+        metrics = {"train/skipped": 1.0, **{f"train/{k}": v for k, v in staleness.items()}}
+        return UpdateResult(metrics, time.perf_counter() - start)
     data = load_data(storage, scored.data)
     kl_metrics: dict[str, float] = {}
     if _kl_in_reward(cfg):
@@ -172,7 +186,7 @@ def update(
     )
     metrics |= worker.optim_step() | kl_metrics | staleness
     trained = time.perf_counter()
-    if cfg.schedule.off_policy_steps == 0:
+    if cfg.schedule.staleness_bound == 0:
         sync_weights(policy)
     synced = time.perf_counter()
     discard(storage, ctx.step_dir(scored.step))  # the step's records are consumed
@@ -185,18 +199,22 @@ def update(
 
 
 def _staleness(cfg: RLJobConfig, worker: Any, scored: ScoredBatch) -> dict[str, float]:
-    """Updates the trainer has taken since the weights that sampled ``scored``; more than
-    ``schedule.off_policy_steps`` is a bug in the pipeline, and fails the step."""
+    """Updates the trainer has taken since the weights that started sampling ``scored``.
+    Outside 0..k (``schedule.max_staleness``) it is a bug in the pipeline up to k = 1, and
+    fails the step; with k >= 2 the batch is dropped (``dropped_batches``: 1)."""
     if scored.weights_version is None:  # e.g. self-play's duel rollouts do not record it
         return {}
+    bound = cfg.schedule.staleness_bound
     trainer_version = worker.get_weights_version()
     staleness = trainer_version - scored.weights_version
-    if not 0 <= staleness <= cfg.schedule.off_policy_steps:
-        raise RuntimeError(
-            f"step {scored.step}: sampled by weights v{scored.weights_version}, trainer at "
-            f"v{trainer_version}: staleness {staleness} outside 0..{cfg.schedule.off_policy_steps}"
-        )
-    return {"staleness": float(staleness)}
+    if 0 <= staleness <= bound:
+        return {"staleness": float(staleness)} | ({"dropped_batches": 0.0} if bound >= 2 else {})
+    if bound >= 2 and staleness > bound:
+        return {"staleness": float(staleness), "dropped_batches": 1.0}
+    raise RuntimeError(
+        f"step {scored.step}: sampled by weights v{scored.weights_version}, trainer at "
+        f"v{trainer_version}: staleness {staleness} outside 0..{bound}"
+    )
 
 
 @task(name="sync", cache_policy=NO_CACHE)

@@ -396,8 +396,36 @@ class ScheduleSection(_Section, title="Schedule"):
         description="Rollouts sampled ahead of their update. 0: on-policy (rollout, update, "
         "weight sync, in turn). 1: the next step's rollout runs on the sampler while this step's "
         "update runs on the trainer, and the weights are synced once both end (staleness at most "
-        "1 update; the loss clips the ratio to the sampler's log-probs).",
+        "1 update; the loss clips the ratio to the sampler's log-probs). The older spelling of "
+        "max_staleness 0 / 1.",
     )
+    max_staleness: int | None = Field(
+        default=None,
+        ge=0,
+        le=8,
+        description="Updates a batch may be behind the trainer (k). 0: on-policy; 1: one step "
+        "off (as off_policy_steps 1); k >= 2: asynchronous, k rollouts run ahead of the "
+        "trainer side by side, the weights are synced after every update without waiting for "
+        "them, and a batch more than k updates behind is dropped (counted). Unset = "
+        "off_policy_steps.",
+    )
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> ScheduleSection:
+        if self.max_staleness is not None and self.off_policy_steps not in (
+            0,
+            self.max_staleness,
+        ):
+            raise ValueError(
+                f"schedule.off_policy_steps {self.off_policy_steps} and max_staleness "
+                f"{self.max_staleness} disagree: set max_staleness only"
+            )
+        return self
+
+    @property
+    def staleness_bound(self) -> int:
+        """k: how many updates a trained batch may be behind the trainer."""
+        return self.off_policy_steps if self.max_staleness is None else self.max_staleness
 
 
 class ResourcesSection(_Section, title="Resources"):
@@ -612,9 +640,9 @@ class JobConfig(_Section):
 
     def placement_for(self, shared_worker: SharedWorkerSettings | None = None) -> Placement:
         """``resources.placement_for()`` for this job: on-policy unless it samples ahead of its
-        updates (``schedule.off_policy_steps``); ``shared_worker`` as there."""
+        updates (``schedule.staleness_bound``); ``shared_worker`` as there."""
         schedule = getattr(self, "schedule", None)
-        on_policy = not getattr(schedule, "off_policy_steps", 0)
+        on_policy = not getattr(schedule, "staleness_bound", 0)
         return self.resources.placement_for(on_policy, shared_worker)
 
 
@@ -683,10 +711,15 @@ class RLJobConfig(TrainingJobConfig):
 
     @model_validator(mode="after")
     def _colocated_policies_run_on_policy(self) -> RLJobConfig:
-        if self.resources.colocate and self.schedule.off_policy_steps:
+        if self.resources.colocate and self.schedule.staleness_bound:
             raise ValueError(
                 "resources.colocate: a colocated policy cannot sample while it trains; "
-                "set schedule.off_policy_steps 0 or leave resources.colocate unset"
+                "set schedule.max_staleness 0 or leave resources.colocate unset"
+            )
+        if self.schedule.staleness_bound >= 2 and self.resources.placement == "shared":
+            raise ValueError(
+                "schedule.max_staleness >= 2 (asynchronous) runs with resources.placement own; "
+                "a shared worker's tenant runs with max_staleness 0 or 1"
             )
         return self
 
@@ -747,8 +780,8 @@ class SelfPlayJobConfig(RLJobConfig):
             raise ValueError(str(exc)) from None
         if self.env.mode != "local":
             raise ValueError("self-play runs its games in the rollout task (env.mode 'local')")
-        if self.schedule.off_policy_steps:
-            raise ValueError("self-play runs on-policy (schedule.off_policy_steps 0)")
+        if self.schedule.staleness_bound:
+            raise ValueError("self-play runs on-policy (schedule.max_staleness 0)")
         return self
 
 

@@ -71,6 +71,8 @@ def test_overrides_are_typed_and_nested():
         (["algorithm.mis_band=[1.0,2.0]"], "algorithm.mis_band"),
         (["algorithm.is_cap=1"], "algorithm.is_cap"),
         (["algorithm.tis_cap=2", "algorithm.is_correction=mis"], "algorithm"),
+        (["schedule.max_staleness=9"], "schedule.max_staleness"),
+        (["schedule.max_staleness=2", "schedule.off_policy_steps=1"], "schedule"),
         (["env.name=gomoku", "env.params.win_reward=inf"], "env.params.win_reward"),
         (["env.name=tool_math", "env.params.format_reward=nan"], "env.params.format_reward"),
     ],

@@ -34,9 +34,9 @@ def _stream(ahead: int, start_cursor: dict | None = None, total: int = 4):
 
     started: list[tuple[int, dict | None]] = []
 
-    def start(step: int, cursor: dict | None) -> _Done:
-        started.append((step, cursor))
-        index = (cursor or {"index": 0})["index"] + ROWS
+    def start(step: int, cursor: dict | None, skip: int) -> _Done:
+        started.append((step, cursor) if not skip else (step, cursor, skip))
+        index = (cursor or {"index": 0})["index"] + ROWS * (skip + 1)
         return _Done(RolloutBatch(step, f"steps/{step}", {"index": index}, 0.1, 0))
 
     return RolloutStream(start, start_cursor, ahead, total), started
@@ -49,6 +49,20 @@ def test_one_step_off_starts_the_next_rollout_with_the_batch_and_none_past_the_e
     for step in (1, 2, 3):
         assert stream.take(step).step == step
     assert started[-1] == (3, {"index": 12}) and len(started) == 4  # nothing for step 4
+
+
+def test_k_ahead_starts_k_rollouts_side_by_side_each_past_the_steps_between():
+    """max_staleness 3: taking step 0 starts steps 1-3 at once, on the rows after step 0's
+    (step 2 skips step 1's batch, step 3 two batches); each later take starts one more, none
+    past the end; every batch's cursor is where the next step's rows begin."""
+    stream, started = _stream(ahead=3, total=6)
+    batches = [stream.take(0)]
+    assert started == [(0, None), (1, {"index": 4}), (2, {"index": 4}, 1), (3, {"index": 4}, 2)]
+    batches.append(stream.take(1))
+    assert started[-1] == (4, {"index": 8}, 2)
+    batches += [stream.take(step) for step in (2, 3, 4, 5)]
+    assert [s[0] for s in started] == [0, 1, 2, 3, 4, 5]  # each step once, none past the end
+    assert [b.cursor["index"] for b in batches] == [4, 8, 12, 16, 20, 24]
 
 
 def test_on_policy_starts_each_rollout_only_when_taken():
@@ -80,6 +94,28 @@ def test_settle_waits_for_the_rollout_ahead_then_syncs(monkeypatch):
     on_policy, _ = _stream(ahead=0)
     on_policy.take(0)
     assert on_policy.settle("policy") is None and synced == ["policy"]  # update synced already
+
+
+def test_k_ahead_syncs_at_once_without_waiting_for_the_rollouts_in_flight(monkeypatch):
+    import flowrl.flows.rollouts
+    from flowrl.flows.rollouts import RolloutStream
+
+    class _InFlight:
+        def result(self):  # noqa: ANN202 - a rollout that has not ended: waiting is a bug
+            raise AssertionError("settle waited for a rollout in flight")
+
+    def start(step: int, cursor: dict | None, skip: int):  # noqa: ANN202
+        if step == 0:
+            return _Done(RolloutBatch(0, "steps/0", {"index": ROWS}, 0.1, 0))
+        return _InFlight()
+
+    synced = []
+    monkeypatch.setattr(flowrl.flows.rollouts, "weight_sync", lambda p: synced.append(p) or 1.0)
+    stream = RolloutStream(start, None, 3, 6)
+    stream.take(0)
+    settled = stream.settle("policy")
+    assert settled.rollout_ahead_seconds is None and settled.sync_seconds == 1.0
+    assert synced == ["policy"]
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
 """A training process killed with SIGKILL mid-run, resubmitted with the same job name, resumes
 from its last complete checkpoint on S3 (moto): earlier steps are not redone, and the job ends
-with a registered model version."""
+with a registered model version. On-policy and asynchronous (``schedule.max_staleness: 4``,
+rollouts of later steps in flight when it is killed)."""
 
 from __future__ import annotations
 
@@ -61,12 +62,16 @@ def kill_after_checkpoint(
     return killed_after
 
 
-def _train(env: dict[str, str], log: Path) -> subprocess.Popen:
-    return start_job("train", ARGS, env, log)
+def _train(env: dict[str, str], log: Path, extra: list[str] = ()) -> subprocess.Popen:
+    return start_job("train", [*ARGS, *extra], env, log)
 
 
+@pytest.mark.parametrize(
+    ("job_name", "extra"),
+    [("kill-job", []), ("kill-job-async", ["name=kill-job-async", "schedule.max_staleness=4"])],
+)
 def test_sigkilled_job_resumes_from_its_last_checkpoint(
-    prefect_api, flowrl_home, moto_s3, monkeypatch, tmp_path
+    prefect_api, flowrl_home, moto_s3, monkeypatch, tmp_path, job_name, extra
 ):
     import s3fs
     from prefect.settings import PREFECT_API_URL
@@ -76,23 +81,23 @@ def test_sigkilled_job_resumes_from_its_last_checkpoint(
     storage = f"{moto_s3.url}/flowrl"
     monkeypatch.setenv("FLOWRL_STORAGE_URL", storage)
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
-    latest = f"{moto_s3.bucket}/flowrl/jobs/kill-job/checkpoints/LATEST.json"
+    latest = f"{moto_s3.bucket}/flowrl/jobs/{job_name}/checkpoints/LATEST.json"
     s3 = s3fs.S3FileSystem(skip_instance_cache=True)
 
     def checkpointed() -> int | None:
         s3.invalidate_cache()
         return json.loads(s3.cat(latest))["step"] if s3.exists(latest) else None
 
-    first = _train(env, tmp_path / "first.log")
+    first = _train(env, tmp_path / "first.log", extra)
     killed_after = kill_after_checkpoint(first, checkpointed, tmp_path / "first.log")
     assert killed_after < STEPS
 
-    second = _train(env, tmp_path / "second.log")
+    second = _train(env, tmp_path / "second.log", extra)
     assert second.wait(600) == 0, (tmp_path / "second.log").read_text()[-3000:]
     output = (tmp_path / "second.log").read_text()
-    assert "registered model                     : models:/kill-job/" in output
+    assert f"registered model                     : models:/{job_name}/" in output
 
-    result = json.loads(s3.cat(f"{moto_s3.bucket}/flowrl/jobs/kill-job/result.json"))
+    result = json.loads(s3.cat(f"{moto_s3.bucket}/flowrl/jobs/{job_name}/result.json"))
     c = client()
     steps = [m.step for m in c.get_metric_history(result["mlflow_run_id"], "reward/mean")]
     # Every step once: the steps after the checkpoint ran again, but what the killed run had

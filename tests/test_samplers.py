@@ -114,6 +114,14 @@ def test_an_on_policy_job_colocates_its_sampler_and_trainer_unless_told_otherwis
     assert not load_job(None, ["resources.trainer_backend=deepspeed"]).placement_for().colocate
     with pytest.raises(ValueError, match="cannot sample while it trains"):
         load_job(None, ["resources.colocate=true", "schedule.off_policy_steps=1"])
+    with pytest.raises(ValueError, match="cannot sample while it trains"):
+        load_job(None, ["resources.colocate=true", "schedule.max_staleness=4"])
+    assert not load_job(None, ["schedule.max_staleness=4"]).placement_for().colocate
+    with pytest.raises(ValueError, match="runs with resources.placement own"):
+        load_job(
+            None,
+            ["model.lora.enabled=true", "resources.placement=shared", "schedule.max_staleness=2"],
+        )
     with pytest.raises(ValueError, match="needs one sampler"):
         load_job(None, ["resources.colocate=true", "resources.samplers=2"])
 
