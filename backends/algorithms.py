@@ -297,14 +297,7 @@ def masked_is_weights(
     if not 0.0 < low < 1.0 < high:
         raise ValueError(f"masked importance sampling needs 0 < low < 1 < high, got {band}")
     raw_B_T, mask_B_T, stats = _behaviour_ratios(trainer_old_B_T, sampler_B_T, mask_B_T)
-    outside_B_T = (raw_B_T < low) | (raw_B_T > high)
-    kept_B_T = torch.where(outside_B_T, torch.zeros_like(raw_B_T), raw_B_T)
-    weights_B_T = torch.where(mask_B_T > 0, kept_B_T, torch.ones_like(raw_B_T))
-    metrics = {
-        "mis_weight_mean": float(token_mean(weights_B_T, mask_B_T)),
-        "mis_masked_frac": float(token_mean(outside_B_T.to(mask_B_T.dtype), mask_B_T)),
-    }
-    return weights_B_T, metrics | stats
+    return _dropping("mis", raw_B_T, (raw_B_T < low) | (raw_B_T > high), mask_B_T, stats)
 
 
 def decoupled_is_weights(
@@ -327,11 +320,19 @@ def decoupled_is_weights(
         raise ValueError(f"decoupled PPO's weight cap must be > 1, got {cap}")
     raw_B_T, mask_B_T, stats = _behaviour_ratios(prox_B_T, behaviour_B_T, mask_B_T)
     over_B_T = raw_B_T > cap if cap is not None else torch.zeros_like(raw_B_T, dtype=torch.bool)
-    kept_B_T = torch.where(over_B_T, torch.zeros_like(raw_B_T), raw_B_T)
+    return _dropping("decoupled", raw_B_T, over_B_T, mask_B_T, stats)
+
+
+def _dropping(
+    name: str, raw_B_T: Tensor, dropped_B_T: Tensor, mask_B_T: Tensor, stats: dict[str, float]
+) -> tuple[Tensor, dict[str, float]]:
+    """Weights ``rho``, 0 where ``dropped_B_T``, 1 where the mask is 0; with
+    ``<name>_weight_mean`` and ``<name>_masked_frac`` over mask-1 tokens, and ``stats``."""
+    kept_B_T = torch.where(dropped_B_T, torch.zeros_like(raw_B_T), raw_B_T)
     weights_B_T = torch.where(mask_B_T > 0, kept_B_T, torch.ones_like(raw_B_T))
     metrics = {
-        "decoupled_weight_mean": float(token_mean(weights_B_T, mask_B_T)),
-        "decoupled_masked_frac": float(token_mean(over_B_T.to(mask_B_T.dtype), mask_B_T)),
+        f"{name}_weight_mean": float(token_mean(weights_B_T, mask_B_T)),
+        f"{name}_masked_frac": float(token_mean(dropped_B_T.to(mask_B_T.dtype), mask_B_T)),
     }
     return weights_B_T, metrics | stats
 

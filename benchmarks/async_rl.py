@@ -18,16 +18,13 @@ run's RL wall time.
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from footprint import TreePeak, watch
+from footprint import train_watched
 
 REPO = Path(__file__).resolve().parents[1]
 FLOWRL = str(Path(sys.executable).with_name("flowrl"))
@@ -55,22 +52,7 @@ def run(home: Path, k: int, steps: int) -> dict[str, float]:
     ]
     cmd = [FLOWRL, "train", "configs/tool-math.yaml"]
     cmd += [arg for o in overrides for arg in ("--set", o)]
-    env = {**os.environ, "FLOWRL_HOME": str(home)}
-    env.pop("MLFLOW_TRACKING_URI", None)
-    peak, stop = TreePeak(), threading.Event()
-    began = time.time()
-    proc = subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    watcher = threading.Thread(target=watch, args=(proc.pid, peak, stop), daemon=True)
-    watcher.start()
-    output, _ = proc.communicate()
-    wall = time.time() - began
-    stop.set()
-    watcher.join()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{name} failed ({proc.returncode}):\n{output[-3000:]}")
-    run_id = next(x for x in output.splitlines() if x.startswith("MLflow run")).split()[-1]
+    run_id, wall, peak = train_watched(home, name, cmd)
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}")

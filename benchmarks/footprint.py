@@ -99,12 +99,9 @@ def watch(pid: int, peak: TreePeak, stop: threading.Event) -> None:
             peak.pss, peak.rss, peak.processes, peak.split = pss, rss, len(tree), split
 
 
-def run_job(home: Path, name: str, steps: int) -> tuple[float, float, TreePeak]:
-    """One ``flowrl train`` of the default job: (seconds to the first RL step, wall, peak)."""
-    overrides = [f"name={name}", f"schedule.steps={steps}", f"schedule.eval_every={steps}"]
-    overrides.append(f"schedule.checkpoint_every={steps}")
-    cmd = [FLOWRL, "train", "configs/arithmetic.yaml"]
-    cmd += [arg for o in overrides for arg in ("--set", o)]
+def train_watched(home: Path, name: str, cmd: list[str]) -> tuple[str, float, TreePeak]:
+    """Run ``cmd`` (a ``flowrl train``) in the home ``home`` from the repository, its process
+    tree's PSS watched: (its MLflow run id, wall seconds, peak); its output on failure."""
     env = {**os.environ, "FLOWRL_HOME": str(home)}
     env.pop("MLFLOW_TRACKING_URI", None)
     peak, stop = TreePeak(), threading.Event()
@@ -121,6 +118,17 @@ def run_job(home: Path, name: str, steps: int) -> tuple[float, float, TreePeak]:
     if proc.returncode != 0:
         raise RuntimeError(f"{name} failed ({proc.returncode}):\n{output[-3000:]}")
     run_id = next(x for x in output.splitlines() if x.startswith("MLflow run")).split()[-1]
+    return run_id, wall, peak
+
+
+def run_job(home: Path, name: str, steps: int) -> tuple[float, float, TreePeak]:
+    """One ``flowrl train`` of the default job: (seconds to the first RL step, wall, peak)."""
+    overrides = [f"name={name}", f"schedule.steps={steps}", f"schedule.eval_every={steps}"]
+    overrides.append(f"schedule.checkpoint_every={steps}")
+    cmd = [FLOWRL, "train", "configs/arithmetic.yaml"]
+    cmd += [arg for o in overrides for arg in ("--set", o)]
+    start = time.time()
+    run_id, wall, peak = train_watched(home, name, cmd)
     import mlflow
 
     client = mlflow.MlflowClient(f"sqlite:///{home / 'mlflow.db'}")

@@ -193,6 +193,23 @@ def metric_history(run_id: str, metric: str) -> list[float]:
     return [m.value for m in points]
 
 
+def assert_learns(result, steps: int, label: str) -> None:  # noqa: ANN001 - an RLResult
+    """The e2e learning bar (tests/test_flow_e2e.py) on an ``rl_train`` result: ``steps`` steps
+    logged, mean reward of the last 20 over the first 20 by more than 0.05, and held-out
+    accuracy higher after RL than before; the figures printed under ``label``."""
+    import statistics
+
+    rewards = metric_history(result.mlflow_run_id, "reward/mean")
+    assert len(rewards) == steps
+    first, last = statistics.mean(rewards[:20]), statistics.mean(rewards[-20:])
+    print(
+        f"\n{label}: reward/mean first 20 steps {first:.3f}, last 20 {last:.3f}; held-out "
+        f"accuracy {result.accuracy_start:.3f} -> {result.accuracy_end:.3f}"
+    )
+    assert last > first + 0.05, (first, last)
+    assert result.accuracy_end > result.accuracy_start
+
+
 @contextlib.contextmanager
 def session_endpoint(
     folder: str, cache_dir: str, temperature: float, context_length: int, max_tokens: int
