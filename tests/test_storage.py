@@ -265,7 +265,8 @@ def test_missing_bucket_fails_at_once(moto_s3) -> None:
     start = time.monotonic()
     with pytest.raises(FileNotFoundError):
         storage.write_bytes("x.bin", b"x")
-    assert time.monotonic() - start < 2
+    # Not retried: well under the 10 s budget (2.2 s once under the full suite's load).
+    assert time.monotonic() - start < 5
 
 
 def test_retries_stop_after_the_budget(moto_s3) -> None:
