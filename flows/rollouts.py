@@ -103,7 +103,7 @@ class RolloutStream:
             return None
         if self._ahead >= 2:
             return Settled(rollout_ahead_seconds=None, sync_seconds=weight_sync(policy))
-        pending = self._pending.get(min(self._pending)) if self._pending else None
+        pending = next(iter(self._pending.values()), None)  # one step off: at most one
         ahead_s = pending.result().seconds if pending is not None else 0.0
         # Called, not submitted: a task run in the flow process (~5 ms, not a Ray task's ~150).
         return Settled(rollout_ahead_seconds=ahead_s, sync_seconds=weight_sync(policy))
