@@ -3,6 +3,10 @@ share, held-out accuracy and peak memory of ``flowrl train configs/tool-math.yam
 calls wait a log-normal time (median 0.05 s, p99 2 s: ``tool_math``'s ``tool_latency_*``).
 
     python benchmarks/async_rl.py --steps 40 --out docs/benchmarks/async.md
+    python benchmarks/async_rl.py --steps 20 --size large --out docs/benchmarks/async.md
+
+``--size``: the tiny model (the config's) or ``large``, ``benchmarks/trl_compare.py``'s ~3M
+(Llama hidden 256 × 4 layers, MLP 688: ``MODEL_SIZES``).
 
 One fresh home; the first run also fills the SFT warm-up cache (to held-out accuracy 0.2, so
 RL has room), which the others reuse (its time is in no figure below). Per staleness bound
@@ -34,9 +38,20 @@ LONGER = {0: 1.0, 1: 1.25, 2: 2.0, 4: 2.5, 8: 2.5}
 evaluations up to the on-policy run's RL wall time (the equal wall time of the table)."""
 LATENCY = ["env.params.tool_latency_median_s=0.05", "env.params.tool_latency_p99_s=2.0"]
 EVAL_EVERY = 10
+MODEL_SIZES = {
+    "tiny": ("tiny model", []),
+    "large": (
+        "~3M model (hidden 256 × 4 layers)",
+        [
+            "model.tiny.hidden_size=256",
+            "model.tiny.num_layers=4",
+            "model.tiny.intermediate_size=688",
+        ],
+    ),
+}
 
 
-def run(home: Path, k: int, steps: int) -> dict[str, float]:
+def run(home: Path, k: int, steps: int, size: str = "tiny") -> dict[str, float]:
     """One job at staleness bound ``k``: its figures."""
     name = f"async-k{k}-{int(time.time())}"  # a new job (one of a reused home would resume)
     overrides = [
@@ -49,6 +64,7 @@ def run(home: Path, k: int, steps: int) -> dict[str, float]:
         "warmup.target_accuracy=0.2",
         "warmup.eval_every=10",
         *LATENCY,
+        *MODEL_SIZES[size][1],
     ]
     cmd = [FLOWRL, "train", "configs/tool-math.yaml"]
     cmd += [arg for o in overrides for arg in ("--set", o)]
@@ -83,14 +99,15 @@ def run(home: Path, k: int, steps: int) -> dict[str, float]:
     }
 
 
-def report(rows: list[dict], steps: int, label: str) -> str:
+def report(rows: list[dict], steps: int, label: str, size: str = "tiny") -> str:
     when = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
     budget = rows[0]["rl_s"]  # the first bound's (k = 0's) RL wall time
     base = rows[0]["samples_per_s"]
     lines = [
         f"## {label} — {when}",
         "",
-        f"`python benchmarks/async_rl.py --steps {steps}` (tiny model, configs/tool-math.yaml, "
+        f"`python benchmarks/async_rl.py --steps {steps} --size {size}` "
+        f"({MODEL_SIZES[size][0]}, configs/tool-math.yaml, "
         f"16 prompts × 8 a step, tool waits median 0.05 s / p99 2 s; steps: k = 0 "
         f"{steps}, the others more (`LONGER`); equal wall time = {budget:.0f} s of RL, the "
         "first run's)",
@@ -120,6 +137,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--bounds", default=",".join(map(str, BOUNDS)), help="k values")
+    parser.add_argument("--size", choices=tuple(MODEL_SIZES), default="tiny")
     parser.add_argument("--label", default="run")
     parser.add_argument("--out", help="append the table to this markdown file")
     parser.add_argument("--home", help="FLOWRL_HOME to use (its warm-up cache kept); default new")
@@ -127,8 +145,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="flowrl-async-") as fresh:
         home = Path(args.home or fresh)
         bounds = [int(k) for k in args.bounds.split(",")]
-        rows = [run(home, k, round(args.steps * LONGER.get(k, 1.0))) for k in bounds]
-    text = report(rows, args.steps, args.label)
+        rows = [run(home, k, round(args.steps * LONGER.get(k, 1.0)), args.size) for k in bounds]
+    text = report(rows, args.steps, args.label, args.size)
     print(text)
     if args.out:
         with open(args.out, "a") as out:

@@ -20,8 +20,12 @@ side, so k hung agents cost one timeout, not k. An agent that blocks the event l
 (a plain blocking call inside ``async def``) stops every episode of the batch: they all fail
 once the timeout and a margin have passed, and the loop's thread is abandoned.
 
-Episodes are not bit-reproducible under a fixed seed as the agent loop's are: which requests
-share a sampler call depends on when they arrive.
+The sessions sample in lockstep (``sessions.Batcher``): a sampler call waits until every open
+session has its request pending and takes them in episode order, so under a fixed seed the
+episodes sample the same tokens however the agents' threads are scheduled, as the agent loop's
+do. What breaks that: a pause of over ``sessions.LOCKSTEP_WAIT_S`` (a quarter of the task's
+``timeout_s`` if less) in which no agent sends a request lets the requests that are there go
+without the missing ones'; so a hung agent costs the others that pause once per turn.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from flowrl.agent_loop.loop import LoopLimits
 from flowrl.agent_loop.recorded import trajectories_from_turns
 from flowrl.agent_loop.types import ChatFormat, Sampler, StopReason, Trajectory
 from flowrl.backends.openai_api.sessions import (
+    LOCKSTEP_WAIT_S,
     Batcher,
     ContextFull,
     Session,
@@ -68,7 +73,12 @@ def run_agent_episodes(
     """One batch of agent episodes, ``rows[i]`` as episode ``episode_ids[i]`` of group
     ``group_ids[i]``; their trajectories in episode order (more than one for an episode whose
     agent rewrote its history)."""
-    batcher = Batcher(lambda prompts, n, temperature, _: sampler.sample(prompts, n, temperature), 0)
+    batcher = Batcher(
+        lambda prompts, n, temperature, _: sampler.sample(prompts, n, temperature),
+        0,
+        lockstep=True,
+        lockstep_wait_s=min(LOCKSTEP_WAIT_S, task.timeout_s / 4),  # a hung agent's cost
+    )
     table = _BudgetedTable(
         chat, batcher, limits.max_context_tokens, limits.max_new_tokens, limits.max_turns
     )

@@ -716,11 +716,6 @@ class RLJobConfig(TrainingJobConfig):
                 "resources.colocate: a colocated policy cannot sample while it trains; "
                 "set schedule.max_staleness 0 or leave resources.colocate unset"
             )
-        if self.schedule.staleness_bound >= 2 and self.resources.placement == "shared":
-            raise ValueError(
-                "schedule.max_staleness >= 2 (asynchronous) runs with resources.placement own; "
-                "a shared worker's tenant runs with max_staleness 0 or 1"
-            )
         return self
 
     @model_validator(mode="after")

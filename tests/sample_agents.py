@@ -55,6 +55,19 @@ async def guess_until_right(rollout: AgentRollout) -> str:
     return guess
 
 
+async def dawdles_between_turns(rollout: AgentRollout) -> str:
+    """Multi-turn (3 requests) with a pause of its own before each, longer for later rows: the
+    requests of a batch arrive in a different order every turn."""
+    target = rollout.row["target"]
+    messages = rollout.messages()
+    messages[-1]["content"] += f" (row {target})"
+    for turn in range(3):
+        await asyncio.sleep(0.01 * ((target * (turn + 3)) % 7))
+        guess = await ask(rollout, messages)
+        messages += [{"role": "assistant", "content": guess}, {"role": "user", "content": "again"}]
+    return guess
+
+
 def answer_once_blocking(rollout: AgentRollout) -> str:
     """A plain function with the synchronous client: flowrl runs it in a thread."""
     client = openai.OpenAI(base_url=rollout.base_url, api_key=rollout.api_key, max_retries=0)

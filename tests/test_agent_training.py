@@ -1,14 +1,14 @@
 """Agents of the user's own train as they are (issue 42): examples/agents' plain ``openai``-SDK
 calculator agent and its LangGraph twin, through rollout sessions, under ``rl_train`` on a real
-Prefect API, Ray and MLflow store. Fixed seeds; the bar is the e2e learning test's
-(tests/test_flow_e2e.py). Both play one task, so the second reuses the first's warm-up.
+Prefect API, Ray and MLflow store, with fixed seeds. Both play one task, so the second reuses
+the first's warm-up.
 
-Held-out accuracy must rise, and the training reward. The warm-up stops at 0.2 (the examples'
-configs): stopped at 0.3 it left RL too little room for a rise its 50 greedy episodes show
-reliably (docs/openai.md). The e2e bar's +0.05 on the reward held in every run alone on the
-machine, pinned and native (+0.062 to +0.079), but not under the full suite's load, where
-which requests share a sampler call shifts the samples (+0.041 and +0.046 in a fresh-clone
-`.ci/run`): the test asserts a rise, not the bar (issue 42's note)."""
+The bar is issue 42's: held-out reward (here accuracy: the task gives no format reward) rises
+by the e2e test's 0.05, and the training reward rises. The warm-up stops at 0.2 (the
+examples' configs): stopped at 0.3 it left RL too little room for a rise its 50 greedy
+episodes show reliably (docs/openai.md). The rollout sessions sample in lockstep
+(``sessions.Batcher``), so these runs are the same however loaded the machine is; both agents
+send the same requests, so their figures are the same too."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def trained(request, prefect_api, flowrl_home):
 
 def test_the_agent_learns(trained):
     config, result = trained
-    assert_learns(result, STEPS, config.name, min_rise=0.0)
+    assert_learns(result, STEPS, config.name, min_rise=0.0, min_held_out_rise=0.05)
 
 
 def test_its_episodes_were_played_through_sessions_and_none_failed(trained):

@@ -141,6 +141,19 @@ def test_the_batch_samples_episodes_together():
     assert sum(calls) == 8 and len(calls) < 8, calls  # requests share sampler calls
 
 
+def test_sessions_sample_in_lockstep_in_episode_order_whenever_requests_arrive():
+    rows = [{"target": t} for t in range(6)]
+    sampler = RuleSampler()
+    calls = []
+    inner = sampler.sample
+    sampler.sample = lambda prompts, *a, **k: calls.append(prompts) or inner(prompts, *a, **k)
+    episodes, _ = _play(_task("dawdles_between_turns"), rows=rows, sampler=sampler)
+    assert [len(c) for c in calls] == [6, 6, 6]  # each turn of every session in one call
+    for turn in calls:  # in episode order: each row's prompt names its own target
+        assert [ByteChat().decode(p).count(f"(row {t})") for t, p in enumerate(turn)] == [1] * 6
+    assert all(t.info["requests"] == 3 and not t.failed for t in episodes)
+
+
 def test_rollout_messages_are_the_tasks_opening():
     (t,), sampler = _play(_task("answer_once"), rows=[{"target": 7}])
     assert sampler.prompts[0][-1] != END

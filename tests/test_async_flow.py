@@ -1,7 +1,8 @@
 """Asynchronous RL (``schedule.max_staleness: 4``, issue 43) end to end on the e2e test's job
 (real Prefect API, Ray and MLflow; fixed seeds): it learns by the e2e bar, every batch is at
 most 4 updates old (in steady state exactly 4), and the rollouts of later steps run while
-earlier updates run. Resume after SIGKILL: tests/test_resume_kill.py."""
+earlier updates run; a shared worker's tenant runs asynchronously too. Resume after SIGKILL:
+tests/test_resume_kill.py."""
 
 from __future__ import annotations
 
@@ -44,4 +45,32 @@ def test_batches_are_at_most_k_updates_old_and_none_was_dropped(trained):
     # Steps 1..k train rollouts started before any update; from then on each rollout was
     # started k updates before it was trained.
     assert staleness[:K] == list(range(K)) and set(staleness[K:]) <= {K - 1, K}, staleness
+    assert sum(metric_history(result.mlflow_run_id, "train/dropped_batches")) == 0
+
+
+def test_a_shared_workers_tenant_runs_asynchronously(prefect_api, flowrl_home):
+    """``resources.placement: shared`` at ``max_staleness: 3``: the tenant's rollouts run up to
+    three updates ahead on the shared worker (its sampler adapter synced from its trainer
+    adapter between updates), each batch trained at the staleness the stream promises, and
+    the job registers a policy."""
+    from flowrl.flows.rl import rl_train
+
+    steps, k = 8, 3
+    config = load_job(
+        None,
+        [
+            "name=async-shared",
+            "model.lora.enabled=true",
+            "resources.placement=shared",
+            f"schedule.max_staleness={k}",
+            f"schedule.steps={steps}",
+            "schedule.eval_every=8",
+            "schedule.checkpoint_every=8",
+            "rollout.prompts_per_step=8",
+        ],
+    )
+    result = rl_train(config)
+    assert result.steps == steps and result.model_uri.startswith("models:/")
+    staleness = metric_history(result.mlflow_run_id, "train/staleness")
+    assert staleness[:k] == list(range(k)) and set(staleness[k:]) <= {k - 1, k}, staleness
     assert sum(metric_history(result.mlflow_run_id, "train/dropped_batches")) == 0

@@ -104,7 +104,11 @@ def test_gpu_slots_are_split_between_every_sampler_and_the_trainer():
 
 def test_an_on_policy_job_colocates_its_sampler_and_trainer_unless_told_otherwise():
     """Unset, ``resources.colocate`` follows the job: on-policy with one sampler and the hf
-    and torch backends, one actor holds both roles and all the job's GPU slots."""
+    and torch backends, one actor holds both roles and all the job's GPU slots; a shared
+    worker's tenant keeps its own sampler and trainer adapters at any staleness."""
+    from flowrl.backends.actors import SharedWorkerSettings
+    from flowrl.backends.placement import SharedTenant
+
     on_policy = load_job(None, ["resources.gpus=2"]).placement_for()
     assert on_policy.colocate and on_policy.build.resources.num_gpus == 2.0
     ahead = load_job(None, ["resources.gpus=2", "schedule.off_policy_steps=1"]).placement_for()
@@ -117,11 +121,9 @@ def test_an_on_policy_job_colocates_its_sampler_and_trainer_unless_told_otherwis
     with pytest.raises(ValueError, match="cannot sample while it trains"):
         load_job(None, ["resources.colocate=true", "schedule.max_staleness=4"])
     assert not load_job(None, ["schedule.max_staleness=4"]).placement_for().colocate
-    with pytest.raises(ValueError, match="runs with resources.placement own"):
-        load_job(
-            None,
-            ["model.lora.enabled=true", "resources.placement=shared", "schedule.max_staleness=2"],
-        )
+    shared = ["model.lora.enabled=true", "resources.placement=shared", "schedule.max_staleness=2"]
+    settings = SharedWorkerSettings()
+    assert isinstance(load_job(None, shared).placement_for(settings), SharedTenant)
     with pytest.raises(ValueError, match="needs one sampler"):
         load_job(None, ["resources.colocate=true", "resources.samplers=2"])
 

@@ -18,13 +18,18 @@ starts a new trajectory there.
 Tools (``tools.py``): a session request may carry ``tools`` when the policy's chat family can
 express them; the answer's tool calls come back as ``tool_calls``.
 
-Requests of all sessions are sampled in batches (``Batcher``): what arrives within a few
-milliseconds of the first pending request goes to the sampler in one call (by temperature),
-each cut to its own ``max_tokens``.
+Requests of all sessions are sampled in batches (``Batcher``), each cut to its own
+``max_tokens``. By default what arrives within a few milliseconds of the first pending request
+goes to the sampler in one call (by temperature). In lockstep (a rollout's sessions,
+``tasks.agent_episodes``) a call waits until every open session has a request pending (or
+none has come for a while: ``LOCKSTEP_WAIT_S``) and takes them in the order the sessions were
+opened: which requests share a call, and their order, no longer depend on when they arrive, so
+a seeded sampler samples the same tokens however the machine schedules the agents.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import threading
 import time
@@ -47,8 +52,19 @@ from flowrl.infra.serving import ServiceError
 if TYPE_CHECKING:
     from flowrl.backends.chat import HFChatFormat
 
+log = logging.getLogger(__name__)
 SampleFn = Callable[[list[list[int]], int, float, int], list[SampleResult]]
 """``(prompts, max_new_tokens, temperature, seed) -> results``: the policy's sampler."""
+
+
+LOCKSTEP_WAIT_S = 2.0
+"""How long (at most: ``Batcher``'s ``lockstep_wait_s``) a lockstep call waits, with no request
+arriving and no session joining or leaving, for the open sessions that have no request pending
+(agents working between turns, or hung): then it samples the requests that are there."""
+
+
+SESSION_THREADS = 4096
+"""Requests of a rollout's sessions answered at once (each waits for its batch in a thread)."""
 
 
 @dataclass
@@ -56,6 +72,7 @@ class _Pending:
     prompt: list[int]
     max_tokens: int
     temperature: float
+    order: int
     done: threading.Event = field(default_factory=threading.Event)
     result: SampleResult | None = None
     error: BaseException | None = None
@@ -63,12 +80,25 @@ class _Pending:
 
 class Batcher:
     """Requests from many sessions sampled together: a call takes every request pending
-    ``window_s`` after the first, of the first's temperature."""
+    ``window_s`` after the first, of the first's temperature; with ``lockstep``, every request
+    pending once each of the ``members`` (sessions that joined and have not left) has one, or
+    once nothing has changed for ``lockstep_wait_s``, in the order of ``sample``'s ``order``."""
 
-    def __init__(self, sample: SampleFn, seed: int, window_s: float = 0.02):
+    def __init__(
+        self,
+        sample: SampleFn,
+        seed: int,
+        window_s: float = 0.02,
+        lockstep: bool = False,
+        lockstep_wait_s: float = LOCKSTEP_WAIT_S,
+    ):
         self._sample = sample
         self._seed = seed
         self._window_s = window_s
+        self._lockstep = lockstep
+        self._lockstep_wait_s = lockstep_wait_s
+        self.members = 0
+        self._changed = time.monotonic()  # the last request's arrival, or a member's join or leave
         self._calls = 0
         self._pending: list[_Pending] = []
         self._cond = threading.Condition()
@@ -76,12 +106,22 @@ class Batcher:
         self._thread = threading.Thread(target=self._run, daemon=True, name="session-batcher")
         self._thread.start()
 
-    def sample(self, prompt: list[int], max_tokens: int, temperature: float) -> SampleResult:
-        item = _Pending(prompt, max_tokens, temperature)
+    def join(self, count: int) -> None:
+        """``count`` sessions joined (or, negative, left) the lockstep."""
+        with self._cond:
+            self.members += count
+            self._changed = time.monotonic()
+            self._cond.notify()
+
+    def sample(
+        self, prompt: list[int], max_tokens: int, temperature: float, order: int = 0
+    ) -> SampleResult:
+        item = _Pending(prompt, max_tokens, temperature, order)
         with self._cond:
             if self._stop:
                 raise ServiceError(503, "the rollout's sampler is closed")
             self._pending.append(item)
+            self._changed = time.monotonic()
             self._cond.notify()
         item.done.wait()
         if item.error is not None:
@@ -102,12 +142,31 @@ class Batcher:
                     self._cond.wait()
                 if self._stop and not self._pending:
                     return
-            time.sleep(self._window_s)
+            if self._lockstep:
+                self._wait_for_members()
+            else:
+                time.sleep(self._window_s)
             with self._cond:
+                self._pending.sort(key=lambda p: p.order)
                 temperature = self._pending[0].temperature
                 batch = [p for p in self._pending if p.temperature == temperature]
                 self._pending = [p for p in self._pending if p.temperature != temperature]
             self._serve(batch, temperature)
+
+    def _wait_for_members(self) -> None:
+        with self._cond:
+            while len(self._pending) < self.members and not self._stop:
+                left = self._changed + self._lockstep_wait_s - time.monotonic()
+                if left <= 0:
+                    log.info(
+                        "lockstep: %d of %d sessions' requests sampled without the others' "
+                        "(none came for %.1f s)",
+                        len(self._pending),
+                        self.members,
+                        self._lockstep_wait_s,
+                    )
+                    return
+                self._cond.wait(left)
 
     def _serve(self, batch: list[_Pending], temperature: float) -> None:
         self._calls += 1
@@ -147,6 +206,7 @@ class Session:
     last_answer: dict[str, Any] | None = None
     last_tools: list[dict[str, Any]] = field(default_factory=list)
     closed: bool = False
+    order: int = 0
 
 
 class SessionTable:
@@ -160,17 +220,24 @@ class SessionTable:
         self.max_tokens = max_tokens
         self._lock = threading.Lock()
         self._sessions: dict[str, Session] = {}
+        self._opened = 0
 
     def open(self) -> Session:
-        session = Session(secrets.token_hex(8), "rollout-" + secrets.token_urlsafe(24))
+        """A new session, a member of the batcher's lockstep until it is closed."""
         with self._lock:
+            session = Session(secrets.token_hex(8), "rollout-" + secrets.token_urlsafe(24))
+            session.order = self._opened
+            self._opened += 1
             self._sessions[session.session_id] = session
+        self.batcher.join(1)
         return session
 
     def close(self, session: Session) -> list[Turn]:
         """End the session (its key no longer answers); its recorded turns."""
         with self._lock:
-            self._sessions.pop(session.session_id, None)
+            was_open = self._sessions.pop(session.session_id, None) is not None
+        if was_open:
+            self.batcher.join(-1)
         session.closed = True
         return list(session.turns)
 
@@ -234,7 +301,7 @@ class SessionTable:
                 f"{self.context_length}",
             )
         budget = min(room, self.max_tokens, max_tokens or self.max_tokens)
-        result = self.batcher.sample(prompt, budget, temperature)
+        result = self.batcher.sample(prompt, budget, temperature, session.order)
         stopped = result.finish_reason == "stop"
         body = result.tokens[:-1] if stopped else result.tokens
         answer = answer_message(self.chat, self.chat.decode(list(body)), tools)
@@ -257,7 +324,7 @@ def create_session_app(table: SessionTable, temperature: float) -> Any:
     session's key (``Authorization: Bearer``). Requests sample at the rollout's
     ``temperature`` (the one the trainer scores them at): a request asking another gets a 400
     naming it. The answer is a chat completion with the sampled ``token_ids``."""
-    from starlette.concurrency import run_in_threadpool
+    import anyio.to_thread
 
     from flowrl.backends.openai_api.routes import chat_answer, json_object, request_messages
     from flowrl.backends.openai_api.service import Completion, check_parameters
@@ -265,6 +332,9 @@ def create_session_app(table: SessionTable, temperature: float) -> Any:
     from flowrl.infra.serving import Keys, ServingLimits, guarded_app, presented_key
 
     app = guarded_app("flowrl rollout sessions", Keys(None), ServingLimits())
+    # A request's thread waits for its batch: every open session must be able to wait at once
+    # (anyio's default pool of 40 would cap a batch at 40 requests).
+    threads = anyio.CapacityLimiter(SESSION_THREADS)
 
     @app.post("/sessions/{session_id}/v1/chat/completions", response_model=None)
     async def chat(session_id: str, request: Request) -> Any:
@@ -290,8 +360,8 @@ def create_session_app(table: SessionTable, temperature: float) -> Any:
             not isinstance(asked_tokens, int) or isinstance(asked_tokens, bool) or asked_tokens < 1
         ):
             raise ServiceError(400, f"max_tokens: a positive integer, got {str(asked_tokens)[:40]}")
-        prompt, result, answer = await run_in_threadpool(
-            table.complete, session, messages, asked_tokens, temperature, tools
+        prompt, result, answer = await anyio.to_thread.run_sync(
+            table.complete, session, messages, asked_tokens, temperature, tools, limiter=threads
         )
         finish = "stop" if result.finish_reason == "stop" else "length"
         text = answer["content"] or ""
