@@ -24,8 +24,8 @@ The sessions sample in lockstep (``sessions.Batcher``): a sampler call waits unt
 session has its request pending and takes them in episode order, so under a fixed seed the
 episodes sample the same tokens however the agents' threads are scheduled, as the agent loop's
 do. What breaks that: a pause of over ``sessions.LOCKSTEP_WAIT_S`` (a quarter of the task's
-``timeout_s`` if less) in which no agent sends a request lets the requests that are there go
-without the missing ones'; so a hung agent costs the others that pause once per turn.
+``timeout_s`` if less) in which no agent sends a request: the requests that are there are then
+sampled without the missing ones, so a hung agent costs the others that pause once per turn.
 """
 
 from __future__ import annotations

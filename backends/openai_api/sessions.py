@@ -81,7 +81,7 @@ class _Pending:
 class Batcher:
     """Requests from many sessions sampled together: a call takes every request pending
     ``window_s`` after the first, of the first's temperature; with ``lockstep``, every request
-    pending once each of the ``members`` (sessions that joined and have not left) has one, or
+    pending once each session that joined and has not left (``join``, ``leave``) has one, or
     once nothing has changed for ``lockstep_wait_s``, in the order of ``sample``'s ``order``."""
 
     def __init__(
@@ -97,7 +97,7 @@ class Batcher:
         self._window_s = window_s
         self._lockstep = lockstep
         self._lockstep_wait_s = lockstep_wait_s
-        self.members = 0
+        self._members = 0
         self._changed = time.monotonic()  # the last request's arrival, or a member's join or leave
         self._calls = 0
         self._pending: list[_Pending] = []
@@ -106,10 +106,16 @@ class Batcher:
         self._thread = threading.Thread(target=self._run, daemon=True, name="session-batcher")
         self._thread.start()
 
-    def join(self, count: int) -> None:
-        """``count`` sessions joined (or, negative, left) the lockstep."""
+    def join(self) -> None:
+        """A session joins the lockstep: calls wait for its requests until it leaves."""
+        self._count_members(+1)
+
+    def leave(self) -> None:
+        self._count_members(-1)
+
+    def _count_members(self, change: int) -> None:
         with self._cond:
-            self.members += count
+            self._members += change
             self._changed = time.monotonic()
             self._cond.notify()
 
@@ -155,14 +161,14 @@ class Batcher:
 
     def _wait_for_members(self) -> None:
         with self._cond:
-            while len(self._pending) < self.members and not self._stop:
+            while len(self._pending) < self._members and not self._stop:
                 left = self._changed + self._lockstep_wait_s - time.monotonic()
                 if left <= 0:
                     log.info(
                         "lockstep: %d of %d sessions' requests sampled without the others' "
                         "(none came for %.1f s)",
                         len(self._pending),
-                        self.members,
+                        self._members,
                         self._lockstep_wait_s,
                     )
                     return
@@ -225,11 +231,11 @@ class SessionTable:
     def open(self) -> Session:
         """A new session, a member of the batcher's lockstep until it is closed."""
         with self._lock:
-            session = Session(secrets.token_hex(8), "rollout-" + secrets.token_urlsafe(24))
-            session.order = self._opened
+            key = "rollout-" + secrets.token_urlsafe(24)
+            session = Session(secrets.token_hex(8), key, order=self._opened)
             self._opened += 1
             self._sessions[session.session_id] = session
-        self.batcher.join(1)
+        self.batcher.join()
         return session
 
     def close(self, session: Session) -> list[Turn]:
@@ -237,7 +243,7 @@ class SessionTable:
         with self._lock:
             was_open = self._sessions.pop(session.session_id, None) is not None
         if was_open:
-            self.batcher.join(-1)
+            self.batcher.leave()
         session.closed = True
         return list(session.turns)
 
