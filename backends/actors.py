@@ -12,6 +12,7 @@ placement's (``backends.placement``), which starts it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import hashlib
 import importlib
@@ -20,12 +21,16 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
 from flowrl.backends.types import JobTenancy, Tenancy, WorkerSpec
 from flowrl.infra.settings import RAY_NAMESPACE, get_settings, worker_environment
+
+if TYPE_CHECKING:  # annotations only: the job's process need not import the agent loop here
+    from flowrl.agent_loop.types import Trajectory
+    from flowrl.backends.episodes import EpisodeBatch
 
 # Workers started with local=True live here, keyed by their would-be actor name.
 _LOCAL_WORKERS: dict[str, Any] = {}
@@ -159,6 +164,13 @@ class ColocatedWorker:
         weights = self.call_as("trainer", "get_weights")
         return self.call_as("sampler", "set_weights", weights)
 
+    def play_episodes(self, batch: EpisodeBatch) -> list[Trajectory]:
+        """Play ``batch``'s in-process episodes here, on this process's sampler
+        (``backends.episodes``)."""
+        from flowrl.backends.episodes import play
+
+        return play(batch, _Role(self, "sampler"))
+
     def restart(self, specs: dict[str, WorkerSpec]) -> bool:
         """Both roles built again from ``specs`` (``_Worker.restart``)."""
         classes = {role: backend_class(self._backends[role]) for role in ROLES}
@@ -179,6 +191,16 @@ class ColocatedWorker:
 
 
 ROLES = ("sampler", "trainer")
+
+
+class _Role:
+    """One role of a ``ColocatedWorker``, called in its process: its verbs as methods."""
+
+    def __init__(self, worker: ColocatedWorker, role: str):
+        self._worker, self._role = worker, role
+
+    def __getattr__(self, verb: str) -> Callable[..., Any]:
+        return functools.partial(self._worker.call_as, self._role, verb)
 
 
 @dataclass(frozen=True)
@@ -349,6 +371,8 @@ class PolicyRef:
     local = False
     """The workers run in this process (its samplers share torch's global RNG)."""
     colocated = False
+    plays_episodes = False
+    """Its sampler's process plays batches of in-process episodes itself (``play_episodes``)."""
 
     @property
     def actors(self) -> tuple[str, ...]:
@@ -392,6 +416,11 @@ class PolicyRef:
         """Where the workers are, in words, when a log line should say (a shared worker's
         tenant); None otherwise."""
         return None
+
+    def play_episodes(self, batch: EpisodeBatch) -> list[Trajectory]:
+        """Play ``batch`` in the sampler's own process (where ``plays_episodes``): the
+        trajectories the job's process would have played (``backends.episodes``)."""
+        raise NotImplementedError(f"{type(self).__name__} plays no episodes in its workers")
 
     def restart(self, specs: dict[str, WorkerSpec]) -> bool:
         """Build every worker again from ``specs`` (by role) in the processes it has; False
@@ -478,6 +507,7 @@ class ColocatedPolicy(PolicyRef):
     asking the cluster for the policy's resources once; a sync is a copy inside it."""
 
     colocated = True
+    plays_episodes = True
 
     @classmethod
     def start(
@@ -499,6 +529,10 @@ class ColocatedPolicy(PolicyRef):
 
     def restart(self, specs: dict[str, WorkerSpec]) -> bool:
         return ray.get(ray.get_actor(self.trainer, namespace=RAY_NAMESPACE).restart.remote(specs))
+
+    def play_episodes(self, batch: EpisodeBatch) -> list[Trajectory]:
+        actor = ray.get_actor(self.trainer, namespace=RAY_NAMESPACE)
+        return ray.get(actor.play_episodes.remote(batch))
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,7 @@ import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -237,6 +238,8 @@ class HFChatFormat:
             stops.append(int(tokenizer.eos_token_id))
         self.stop_token_ids: list[int] = list(dict.fromkeys(stops))
         self._prompts: dict[str, list[int]] = {}  # encode_prompt's memo (text-only prompts)
+        self.source: ChatSource | None = None
+        """What it was built from (``chat_format_of``), for another process to build it too."""
 
     @classmethod
     def from_folder(
@@ -539,3 +542,28 @@ def check_chat_template(
     folder = resolve_model_uri(uri, cache_dir="")
     chat = HFChatFormat.from_folder(folder, chat_format, tool_messages=tool_messages)
     probe(chat, conversation_needs(task) if task is not None else ConversationNeeds())
+
+
+@dataclass(frozen=True)
+class ChatSource:
+    """What a job's chat format is built from (``chat_format_of``): small data, so that
+    another process (the policy's worker, ``backends.episodes``) builds the same format."""
+
+    model_uri: str
+    cache_dir: str
+    chat_format: str = "auto"
+    tool_messages: str = "auto"
+
+
+@lru_cache(maxsize=8)
+def chat_format_of(source: ChatSource) -> HFChatFormat:
+    """The chat format ``source`` names: tokenizer, template, generation config and processor
+    settings of its model (never the weights), checked by ``probe`` the first time a process
+    asks for it, and remembered. Control tokens inside environment text stay text."""
+    folder = resolve_model_uri(source.model_uri, source.cache_dir)
+    chat = HFChatFormat.from_folder(
+        folder, chat_format=source.chat_format, tool_messages=source.tool_messages
+    )
+    probe(chat)
+    chat.source = source
+    return chat

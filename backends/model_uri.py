@@ -74,7 +74,7 @@ def check_model_source(uri: str) -> None:
             return
         import fsspec
 
-        fs, root = fsspec.core.url_to_fs(uri)
+        fs, root = fsspec.core.url_to_fs(uri, skip_instance_cache=True)
         if not (fs.exists(f"{root.rstrip('/')}/config.json") or fs.glob(f"{root}/*/config.json")):
             raise ValueError("no config.json there or one level below")
     except ValueError as err:
@@ -142,7 +142,7 @@ def _download_fsspec(uri: str, cache_dir: Path) -> Path:
     import fsspec
 
     try:
-        fs, root = fsspec.core.url_to_fs(uri)
+        fs, root = fsspec.core.url_to_fs(uri, skip_instance_cache=True)
     except (ValueError, ImportError) as err:
         raise ValueError(f"cannot open model URI {uri!r}: {err}") from err
     if not fs.isdir(root):

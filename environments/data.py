@@ -39,7 +39,9 @@ def load_rows(uri: str, storage_options: dict[str, Any] | None = None) -> list[d
             f"cannot read rows from {uri!r}: unknown extension {suffix!r} "
             f"(expected one of {', '.join(ROW_FORMATS)})"
         )
-    fs, path = fsspec.core.url_to_fs(uri, **(storage_options or {}))
+    # Own instance: fsspec's cache would keep a client built for an earlier AWS_ENDPOINT_URL.
+    options = {"skip_instance_cache": True, **(storage_options or {})}
+    fs, path = fsspec.core.url_to_fs(uri, **options)
     if not fs.isfile(path):
         raise FileNotFoundError(f"data file not found: {uri!r}")
     with fs.open(path, "rb") as f:

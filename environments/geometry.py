@@ -74,7 +74,8 @@ def file_image_bytes(cell: Any, base: str) -> bytes:
         raise ValueError(
             f"image path {cell!r}: only a relative path inside the data file's folder is read"
         )
-    with fsspec.open(f"{base.rstrip('/')}/{'/'.join(p for p in parts if p not in ('', '.'))}") as f:
+    path = f"{base.rstrip('/')}/{'/'.join(p for p in parts if p not in ('', '.'))}"
+    with fsspec.open(path, skip_instance_cache=True) as f:  # no client of an earlier endpoint
         return f.read()
 
 
@@ -129,7 +130,7 @@ def save_geometry3k(rows: list[dict[str, Any]], uri: str) -> None:
         }
         for row in rows
     ]
-    with fsspec.open(uri, "wb") as f:
+    with fsspec.open(uri, "wb", skip_instance_cache=True) as f:
         pq.write_table(pa.Table.from_pylist(records, schema=schema), f)
 
 

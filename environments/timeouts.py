@@ -3,8 +3,9 @@
 A call that overruns fails its episode alone with ``EnvTimeoutError("step timed out after
 60 s")``; the agent loop records it like any environment failure (``StopReason.ERROR``,
 ``info["error"]``) and the job goes on. A Python thread cannot be killed, so what a hung call
-keeps depends on where it runs: in-process (``local`` mode, ``TimedEnv``) and in the HTTP
-service the call's own daemon thread runs on until the call returns, its result dropped; in
+keeps depends on where it runs: in-process (``local`` mode, ``TimedEnv``: the process that plays
+the episodes, a colocated policy's worker or the rollout's) and in the HTTP service the call's
+own daemon thread runs on until the call returns, its result dropped; in
 ``ray`` mode the actor that hosts it is killed (``environments.remote``).
 
 The agent loop makes a round's calls (every episode's ``reset``, then every episode's ``step``

@@ -176,8 +176,21 @@ def connect_ray() -> bool:
     init["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
     with _keep_sigterm_handler():
         ray.init(address="local", **init)
+    if s.ray_local_daemons == "needed":
+        _stop_unused_daemons()
     yield_cpu_to_workers(_started_here(), s.ray_daemon_niceness)
     return True
+
+
+def _stop_unused_daemons() -> None:
+    """Stop the local Ray's daemons no job uses (``Settings.ray_local_daemons``): the log
+    monitor, the autoscaler monitor and the dashboard head. The GCS, the raylet and its agents
+    stay (the raylet lives and dies with its agents)."""
+    with contextlib.suppress(AttributeError):  # Ray's node: not a public API
+        node = ray._private.worker._global_node
+        for stop in (node.kill_log_monitor, node.kill_monitor, node.kill_dashboard):
+            with contextlib.suppress(Exception):  # one already gone, or never started
+                stop(check_alive=False)
 
 
 def _started_here() -> list[int]:

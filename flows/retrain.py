@@ -23,6 +23,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
+from flowrl.agent_loop.seeding import derived_seed
 from flowrl.backends.actors import stop_policy
 from flowrl.flows.lifecycle import JobRun, task_runner
 from flowrl.flows.rl import rl_train
@@ -31,7 +32,6 @@ from flowrl.infra import tracking
 from flowrl.infra.settings import get_settings
 from flowrl.tasks.evaluate import EvalSpec, score_model
 from flowrl.tasks.schemas import RetrainConfig, RLJobConfig
-from flowrl.tasks.seeding import derived_seed
 
 
 @dataclass(frozen=True)

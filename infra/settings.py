@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -67,6 +68,14 @@ class Settings(BaseSettings):
         description="Niceness of the helper daemons of a Ray flowrl starts (dashboard, its "
         "agents, log and autoscaler monitors): on a small machine they yield the CPU to the "
         "policy's workers, which run at 0. 0 = as the job.",
+    )
+    ray_local_daemons: Literal["needed", "all"] = Field(
+        default="needed",
+        description="Helper daemons of a local Ray flowrl starts: `needed` stops, once it is up, "
+        "the three no job uses (the log monitor: the job's Ray does not forward workers' logs, "
+        "which stay in Ray's session folder; the autoscaler monitor: a local Ray has a fixed "
+        "size; the dashboard head, started even without a dashboard); `all` keeps them, as "
+        "`ray.init` leaves them (`ray status`, the state API).",
     )
     mlflow_tracking_uri: str | None = Field(
         default=None,

@@ -3,11 +3,9 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from flowrl.backends.chat import HFChatFormat, probe
-from flowrl.backends.model_uri import resolve_model_uri
+from flowrl.backends.chat import ChatSource, HFChatFormat, chat_format_of
 
 if TYPE_CHECKING:  # annotation only: the schemas import nothing from here
     from flowrl.tasks.schemas import ModelSection
@@ -15,16 +13,7 @@ if TYPE_CHECKING:  # annotation only: the schemas import nothing from here
 
 def chat_format(model_uri: str, cache_dir: str, model: ModelSection) -> HFChatFormat:
     """The policy's chat format as the job's ``model`` section asks (its ``chat_format`` and
-    ``tool_messages``): tokenizer, template, generation config and processor settings only
-    (tasks never load weights), checked by ``probe`` the first time a job asks for it (on what
-    the template accepts; ``prepare_model`` probes what the environment sends). Control tokens
-    inside environment text stay text."""
-    return _chat_format(model_uri, cache_dir, model.chat_format, model.tool_messages)
-
-
-@lru_cache(maxsize=8)
-def _chat_format(model_uri: str, cache_dir: str, name: str, tool_messages: str) -> HFChatFormat:
-    folder = resolve_model_uri(model_uri, cache_dir)
-    chat = HFChatFormat.from_folder(folder, chat_format=name, tool_messages=tool_messages)
-    probe(chat)
-    return chat
+    ``tool_messages``; ``backends.chat.chat_format_of``): tasks never load weights; the
+    template is probed on what it accepts the first time a process asks for it
+    (``prepare_model`` probes what the environment sends)."""
+    return chat_format_of(ChatSource(model_uri, cache_dir, model.chat_format, model.tool_messages))

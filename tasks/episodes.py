@@ -10,15 +10,16 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from flowrl.agent_loop.loop import LoopLimits, run_episodes
+from flowrl.agent_loop.seeding import SeededSampler, derived_seed
 from flowrl.agent_loop.types import Trajectory
-from flowrl.backends.actors import PolicyRef
+from flowrl.backends.actors import PolicyRef, sampler
 from flowrl.backends.chat import HFChatFormat
+from flowrl.backends.episodes import EpisodeBatch
 from flowrl.environments.agent import AgentTask
 from flowrl.environments.registry import AGENT_PREFIX
-from flowrl.environments.remote import env_factory_for
+from flowrl.environments.remote import EnvFactory, env_factory_for
 from flowrl.environments.types import Environment
 from flowrl.tasks.agent_episodes import run_agent_episodes
-from flowrl.tasks.seeding import SeededSampler, derived_seed
 from flowrl.tasks.types import EvalResult
 
 
@@ -52,6 +53,7 @@ def run_group_episodes(
     (``tasks.agent_episodes``).
     """
     agent = envs_from if isinstance(envs_from, AgentTask) else None
+    in_worker = plays_in_worker(envs_from, policy, chat)
     make_env = envs_from if callable(envs_from) else (lambda _id: envs_from.make_env())
     shares = _split(list(range(len(rows))), len(policy.samplers))
 
@@ -61,7 +63,20 @@ def run_group_episodes(
         ids = [f"{id_prefix}-{g}-{k % group_size}" for k, g in enumerate(group_ids)]
         share_seed = seed if index == 0 else derived_seed(seed, index)
         episode_rows = [rows[g] for g in group_ids]
-        episode_sampler = SeededSampler(policy, share_seed, index)
+        if in_worker:
+            batch = EpisodeBatch(
+                envs_from.spec["name"],
+                envs_from.spec["params"],
+                envs_from.step_timeout_s,
+                episode_rows,
+                group_ids,
+                ids,
+                chat.source,
+                limits,
+                share_seed,
+            )
+            return policy.play_episodes(batch)
+        episode_sampler = SeededSampler(sampler(policy, index), share_seed)
         if agent is not None:
             return run_agent_episodes(
                 agent, episode_rows, group_ids, episode_sampler, chat, limits, ids
@@ -78,6 +93,20 @@ def run_group_episodes(
         close = getattr(make_env, "close", None)
         if close is not None:
             close()
+
+
+def plays_in_worker(envs_from: Any, policy: PolicyRef, chat: HFChatFormat) -> bool:
+    """Whether ``run_group_episodes`` hands the episodes to the policy's own process
+    (``backends.episodes``): in-process environments (``env.mode: local``) of a policy whose
+    sampler's process plays them (``PolicyRef.plays_episodes``: a colocated policy), with a
+    chat format that process can build. Elsewhere this process plays them: remote
+    environments, agents' sessions, samplers of their own or on a shared worker."""
+    return (
+        policy.plays_episodes
+        and isinstance(envs_from, EnvFactory)
+        and envs_from.mode == "local"
+        and chat.source is not None
+    )
 
 
 def _split(items: list[int], parts: int) -> list[list[int]]:

@@ -13,6 +13,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from flowrl.agent_loop.seeding import stable_hash
 from flowrl.backends.actors import PolicyRef, run_on_ray, stop_policy, trainer
 from flowrl.backends.chat import conversation_needs, probe
 from flowrl.backends.mlflow_model import save_chat_model
@@ -40,7 +41,6 @@ from flowrl.infra.storage import Storage
 from flowrl.tasks.chat_formats import chat_format
 from flowrl.tasks.episodes import evaluate_policy
 from flowrl.tasks.schemas import JOB_KINDS, JobConfig, RLJobConfig, TrainingJobConfig
-from flowrl.tasks.seeding import stable_hash
 from flowrl.tasks.sft import chat_rows, sft_steps
 from flowrl.tasks.types import JobContext, WarmupResult
 
@@ -312,7 +312,7 @@ def _file_sha256(uri: str) -> str:
     import fsspec
 
     digest = hashlib.sha256()
-    with fsspec.open(uri, "rb") as f:
+    with fsspec.open(uri, "rb", skip_instance_cache=True) as f:
         while chunk := f.read(1 << 20):
             digest.update(chunk)
     return digest.hexdigest()

@@ -12,6 +12,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from flowrl.agent_loop.seeding import derived_seed
 from flowrl.backends.actors import PolicyRef, sampler_weights_version, sync_weights, trainer
 from flowrl.backends.types import Datum
 from flowrl.infra.storage import Storage, prune_checkpoints
@@ -33,7 +34,6 @@ from flowrl.tasks.records import (
     save_trajectories,
 )
 from flowrl.tasks.schemas import RLJobConfig
-from flowrl.tasks.seeding import derived_seed
 from flowrl.tasks.types import EvalResult, JobContext, RolloutBatch, ScoredBatch, UpdateResult
 
 

@@ -15,7 +15,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flowrl.agent_loop.coordinator import run_multiagent_episodes
-from flowrl.backends.actors import PolicyRef, sync_weights, trainer
+from flowrl.agent_loop.seeding import SeededSampler, derived_seed
+from flowrl.backends.actors import PolicyRef, sampler, sync_weights, trainer
 from flowrl.environments.games import winner
 from flowrl.environments.timeouts import TimedEnv
 from flowrl.infra.storage import (
@@ -30,7 +31,6 @@ from flowrl.tasks.chat_formats import chat_format
 from flowrl.tasks.episodes import episode_metrics, evaluate_policy
 from flowrl.tasks.records import save_trajectories
 from flowrl.tasks.schemas import SelfPlayJobConfig
-from flowrl.tasks.seeding import SeededSampler, derived_seed
 from flowrl.tasks.types import DuelResult, EvalResult, JobContext, RolloutBatch
 
 
@@ -52,7 +52,7 @@ def _duel(
     greedy: bool = False,
 ):
     limits = cfg.rollout.limits(greedy=greedy)
-    samplers = {a: SeededSampler(p, derived_seed(seed, a)) for a, p in policies.items()}
+    samplers = {a: SeededSampler(sampler(p), derived_seed(seed, a)) for a, p in policies.items()}
     envs = [TimedEnv(games.make_game(), cfg.env.step_timeout_s) for _ in rows]
     chat = chat_format(model_uri, ctx.cache_dir, cfg.model)
     return envs, run_multiagent_episodes(envs, rows, samplers, chat, limits)

@@ -204,7 +204,7 @@ def test_sigterm_mid_evaluation_exits_in_seconds_without_a_second_ray(tmp_path):
     """SIGTERM while the evaluation before RL waits on environment calls that hang (their
     deadline ten minutes away): `flowrl train` exits within 15 s with status 143, its MLflow
     run is FAILED, and no second local Ray is started on the way out (Ray's auto-init is off
-    once the job has connected)."""
+    once the job has connected). Its local Ray runs without the daemons no job uses."""
     import mlflow
     import psutil
 
@@ -249,8 +249,11 @@ def test_sigterm_mid_evaluation_exits_in_seconds_without_a_second_ray(tmp_path):
         nice = _niceness_by_kind(job.pid)
         for process in ("ray::ColocatedWorker", "raylet", "gcs_server", "Prefect API"):
             assert nice[process] == {0}, nice
-        for daemon in ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "Ray dashboard"):
+        for daemon in ("ray::DashboardAgent", "ray::RuntimeEnvAgent"):
             assert nice[daemon] == {10}, nice
+        # The daemons no job uses are gone (FLOWRL_RAY_LOCAL_DAEMONS: needed).
+        unused = {"Ray dashboard", "Ray log monitor", "Ray autoscaler monitor"}
+        assert not unused & nice.keys(), nice
         job.send_signal(signal.SIGTERM)
         signalled = time.monotonic()
         while job.poll() is None and time.monotonic() - signalled < 60:
@@ -284,5 +287,9 @@ def _niceness_by_kind(pid: int) -> dict[str, set[int]]:
                 kind = "Prefect API"
             elif "/dashboard/dashboard.py" in cmd:
                 kind = "Ray dashboard"
+            elif "/log_monitor.py" in cmd:
+                kind = "Ray log monitor"
+            elif "/monitor.py" in cmd and "/ray/" in cmd:
+                kind = "Ray autoscaler monitor"
             kinds.setdefault(kind, set()).add(child.nice())
     return kinds

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from flowrl.agent_loop.seeding import derived_seed
 from flowrl.backends.actors import (
     sampler,
     sampler_weights_version,
@@ -24,7 +25,6 @@ from flowrl.backends.model_folder import load_tokenizer
 from flowrl.backends.types import Datum, WorkerSpec
 from flowrl.tasks.episodes import run_group_episodes
 from flowrl.tasks.schemas import load_job
-from flowrl.tasks.seeding import derived_seed
 
 REPO = Path(__file__).resolve().parents[1]
 _names = itertools.count()

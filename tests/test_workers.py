@@ -374,6 +374,57 @@ def test_a_colocated_policy_is_one_process_that_samples_and_trains_as_two(
         ray.get_actor(ref.trainer, namespace=NAMESPACE)
 
 
+def test_a_colocated_policy_plays_in_process_episodes_in_its_own_process(
+    ray_cluster, policy, model_dir, tmp_path
+):
+    """A rollout's in-process episodes (``env.mode: local``) of a colocated policy are played
+    in the policy's process, next to its sampler: the same episodes, token for token, as this
+    process plays with the same seed; an environment that raises fails its episode only, and
+    hung calls of several episodes cost one timeout, side by side."""
+    import os
+    import time
+
+    import ray
+    from sample_envs import WHEREABOUTS
+
+    from flowrl.agent_loop.loop import LoopLimits
+    from flowrl.backends.chat import ChatSource, chat_format_of
+    from flowrl.environments.remote import EnvFactory
+    from flowrl.infra.settings import RAY_NAMESPACE as NAMESPACE
+    from flowrl.tasks.episodes import plays_in_worker, run_group_episodes
+
+    cache = str(tmp_path / "cache")
+    spec = WorkerSpec(model_uri=model_dir, cache_dir=cache)
+    ref = start_policy("test-plays", spec, local=False, colocate=True)
+    here = policy()  # in this process
+    chat = chat_format_of(ChatSource(model_dir, cache))
+    envs = EnvFactory(WHEREABOUTS, {}, step_timeout_s=1.0)
+    rows = [{"seed": i} for i in range(4)] + [{"fail": "step"}, {"hang": "step"}]
+    limits = LoopLimits(max_new_tokens=6)
+    try:
+        assert plays_in_worker(envs, ref, chat) and not plays_in_worker(envs, here, chat)
+        _, pid = ray.get(ray.get_actor(ref.trainer, namespace=NAMESPACE).where.remote())
+        began = time.monotonic()
+        played = run_group_episodes(envs, rows, 2, ref, chat, limits, seed=3, id_prefix="t")
+        assert time.monotonic() - began < 10.0  # the two hung steps: one timeout, not two
+        local = run_group_episodes(envs, rows, 2, here, chat, limits, seed=3, id_prefix="t")
+    finally:
+        stop_policy(ref)
+    assert [t.failed for t in played] == [False] * 8 + [True] * 4
+    assert {t.info["pid"] for t in played[:8]} == {pid} != {os.getpid()}
+    assert {t.info["pid"] for t in local[:8]} == {os.getpid()}
+    assert [t.tokens for t in played] == [t.tokens for t in local]
+    flat = [[x for t in trajectories for x in t.logprobs] for trajectories in (played, local)]
+    assert flat[0] == pytest.approx(flat[1], abs=1e-4)
+    assert [(t.reward, t.group_id, t.episode_id) for t in played] == [
+        (t.reward, t.group_id, t.episode_id) for t in local
+    ]
+    assert (
+        "failed in step" in played[8].info["error"]
+        and "timed out after 1 s" in played[10].info["error"]
+    )
+
+
 def test_an_in_process_policy_restarts_as_a_fresh_one(policy, prompts):
     from flowrl.backends.actors import restart_policy
 

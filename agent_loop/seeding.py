@@ -1,5 +1,6 @@
 """Deterministic seeds from content (``stable_hash``, ``derived_seed``) and a sampler that seeds
-call k with (base, k), so a retried step re-samples the same tokens."""
+call k with (base, k), so a retried step re-samples the same tokens, wherever its episodes are
+played (the job's process or the sampler's own: ``backends.episodes``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import json
 from typing import Any
 
 from flowrl.agent_loop.types import SampleResult
-from flowrl.backends.actors import PolicyRef, sampler
 
 
 def stable_hash(*parts: Any, length: int = 12) -> str:
@@ -22,14 +22,16 @@ def derived_seed(*parts: Any) -> int:
 
 
 class SeededSampler:
-    """Adapts a sampler worker to the agent loop's ``Sampler``; call k uses seed (base, k).
+    """Adapts a sampler worker (anything with the backends' ``sample(prompts, max_new_tokens,
+    temperature, seed, images=...)``: a worker's proxy, or the backend itself) to the agent
+    loop's ``Sampler``; call k uses seed (base, k).
 
     A rollout is thereby a pure function of (weights, step): a retried step re-samples the
     same tokens.
     """
 
-    def __init__(self, policy: PolicyRef, base_seed: int, index: int = 0):
-        self._worker = sampler(policy, index)
+    def __init__(self, worker: Any, base_seed: int):
+        self._worker = worker
         self._base_seed = base_seed
         self._calls = 0
 
