@@ -371,8 +371,8 @@ class PolicyRef:
     local = False
     """The workers run in this process (its samplers share torch's global RNG)."""
     colocated = False
-    plays_episodes = False
-    """Its sampler's process plays batches of in-process episodes itself (``play_episodes``)."""
+    """One process is the sampler and the trainer; it plays batches of in-process episodes
+    itself (``play_episodes``)."""
 
     @property
     def actors(self) -> tuple[str, ...]:
@@ -418,7 +418,7 @@ class PolicyRef:
         return None
 
     def play_episodes(self, batch: EpisodeBatch) -> list[Trajectory]:
-        """Play ``batch`` in the sampler's own process (where ``plays_episodes``): the
+        """Play ``batch`` in the sampler's own process (a colocated policy's): the
         trajectories the job's process would have played (``backends.episodes``)."""
         raise NotImplementedError(f"{type(self).__name__} plays no episodes in its workers")
 
@@ -507,7 +507,6 @@ class ColocatedPolicy(PolicyRef):
     asking the cluster for the policy's resources once; a sync is a copy inside it."""
 
     colocated = True
-    plays_episodes = True
 
     @classmethod
     def start(

@@ -98,11 +98,11 @@ def run_group_episodes(
 def plays_in_worker(envs_from: Any, policy: PolicyRef, chat: HFChatFormat) -> bool:
     """Whether ``run_group_episodes`` hands the episodes to the policy's own process
     (``backends.episodes``): in-process environments (``env.mode: local``) of a policy whose
-    sampler's process plays them (``PolicyRef.plays_episodes``: a colocated policy), with a
+    sampler's process plays them (``PolicyRef.play_episodes``: a colocated policy), with a
     chat format that process can build. Elsewhere this process plays them: remote
     environments, agents' sessions, samplers of their own or on a shared worker."""
     return (
-        policy.plays_episodes
+        policy.colocated
         and isinstance(envs_from, EnvFactory)
         and envs_from.mode == "local"
         and chat.source is not None
