@@ -572,7 +572,13 @@ def _line(run_id: str, wanted: str, timeout_s: float) -> str:
         found = [line for line in _lines(run_id) if wanted in line]
         if found:
             return found[0]
-        assert time.monotonic() < deadline, (wanted, JobClient().status(run_id))
+        if time.monotonic() >= deadline:
+            status = JobClient().status(run_id)  # said whole: how the run ended, its last lines
+            last = "\n".join(_lines(run_id)[-15:])
+            raise AssertionError(
+                f"{wanted!r} not logged in {timeout_s:.0f} s; the run is {status.state}"
+                f" ({status.message}), ended {status.end_time}; its last lines:\n{last}"
+            )
         time.sleep(1.0)
 
 
