@@ -569,12 +569,13 @@ def _lines(run_id: str) -> list[str]:
 def _line(run_id: str, wanted: str, timeout_s: float) -> str:
     deadline = time.monotonic() + timeout_s
     while True:
-        found = [line for line in _lines(run_id) if wanted in line]
+        lines = _lines(run_id)
+        found = [line for line in lines if wanted in line]
         if found:
             return found[0]
         if time.monotonic() >= deadline:
             status = JobClient().status(run_id)  # said whole: how the run ended, its last lines
-            last = "\n".join(_lines(run_id)[-15:])
+            last = "\n".join(lines[-15:])
             raise AssertionError(
                 f"{wanted!r} not logged in {timeout_s:.0f} s; the run is {status.state}"
                 f" ({status.message}), ended {status.end_time}; its last lines:\n{last}"

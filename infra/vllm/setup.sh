@@ -6,6 +6,8 @@
 set -euo pipefail
 venv="$1"
 uv="$2"
+# Bytecode written at install, run by make or not (see the Makefile's UV_COMPILE_BYTECODE).
+export UV_COMPILE_BYTECODE="${UV_COMPILE_BYTECODE:-1}"
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 python3 -m venv --clear "$venv"
