@@ -350,17 +350,26 @@ def test_runs_on_the_worker_send_no_task_run_info_lines(stack_env, tmp_path):
     assert jobs.wait(run_id, timeout=180).state == "COMPLETED"
     run = FlowRunFilter(id=FlowRunFilterId(any_=[UUID(run_id)]))
     of_run = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(run_id)]))
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120
     with get_client(sync_client=True) as c:
-        task_runs = c.read_task_runs(flow_run_filter=run)
-        # The flow-run process sends its lines in batches: the last one comes after the state.
+        # The flow-run process sends its lines in batches, the last one after the run's state;
+        # the API records task runs from their state events, which it takes in asynchronously
+        # too (under load a task run can still read RUNNING after its flow run completed).
         while True:
+            task_runs = c.read_task_runs(flow_run_filter=run)
             logs = c.read_logs(log_filter=of_run, limit=200)
-            if any(g.message.startswith("Finished in state") and not g.task_run_id for g in logs):
+            done = [t for t in task_runs if t.state and t.state.is_completed()]
+            last_line = any(
+                g.message.startswith("Finished in state") and not g.task_run_id for g in logs
+            )
+            if last_line and len(done) >= 4:
                 break
-            assert time.monotonic() < deadline, [log.message for log in logs]
+            assert time.monotonic() < deadline, (
+                [(t.name, t.state_type) for t in task_runs],
+                [log.message for log in logs],
+            )
             time.sleep(0.5)
-    assert len(task_runs) == 4  # the stages did run as task runs
+    assert len(task_runs) == 4  # the stages did run as task runs, and no more
     flow_lines = [log.message for log in logs if log.task_run_id is None]
     task_lines = [(log.level, log.message) for log in logs if log.task_run_id is not None]
     assert "flow line before the stages" in flow_lines, flow_lines
