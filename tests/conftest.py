@@ -23,12 +23,14 @@ QUIET_TEST_ENV = {
 }
 os.environ.update(QUIET_TEST_ENV)
 
-# One math path on every x86-64 CPU: ATen's vectorised kernels, MKL's BLAS (conditional numerical
-# reproducibility) and oneDNN all capped at AVX2, so a learning test's trajectory is the same on an
-# AVX-512 Xeon and on an AVX2-only EPYC (unpinned, the same seeds gave other rewards there). Every
-# process the suite starts inherits them: jobs, Ray workers (also via their runtime_env), notebook
-# kernels. ``FLOWRL_TEST_KERNELS=native`` leaves the CPU's own kernels (to check that the learning
-# tests hold unpinned too); a variable the developer set wins.
+# Closer math paths on x86-64 CPUs: ATen's vectorised kernels, MKL's BLAS (conditional numerical
+# reproducibility) and oneDNN all capped at AVX2, so an AVX-512 Xeon and an AVX2-only EPYC take
+# the same kernels. This does not make a trajectory identical across the two (measured
+# 2026-11-28: the same seeds gave the Xeon other rewards, pinned as native), so each learning
+# test's bar is one both machines meet, pinned and native. Every process the suite starts
+# inherits them: jobs, Ray workers (also via their runtime_env), notebook kernels.
+# ``FLOWRL_TEST_KERNELS=native`` leaves the CPU's own kernels (to check that the learning tests
+# hold unpinned too); a variable the developer set wins.
 PINNED_KERNELS_ENV = {
     "ATEN_CPU_CAPABILITY": "avx2",
     "MKL_CBWR": "AVX2",
