@@ -308,9 +308,9 @@ def test_a_tinker_model_is_a_tenant_of_the_worker_jobs_use(
         # The slot is given back after the model has left the worker (its lease released
         # through the API): under load that comes a moment after the stats say it left.
         deadline = time.monotonic() + 30
+        name = f"adapter-slots-{job.trainer}"
         with get_client(sync_client=True) as prefect:
             while True:
-                name = f"adapter-slots-{job.trainer}"
                 limit = prefect.read_global_concurrency_limit_by_name(name)
                 if limit.active_slots == 0 or time.monotonic() > deadline:
                     break
