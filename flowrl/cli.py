@@ -403,7 +403,8 @@ def _train(config, engines_ready: Callable[[], None]) -> int:
 def _ops(args) -> int:
     from flowrl.infra.configfile import ConfigError
     from flowrl.infra.scheduler import AdmissionError
-    from flowrl.infra.stack import NoStackError
+    from flowrl.infra.servers import MissingComponentError
+    from flowrl.infra.stack import ComponentDownError, NoStackError
 
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     try:
@@ -411,9 +412,12 @@ def _ops(args) -> int:
             return _stack(args)
         if getattr(args, "run_id", None) is not None:
             _check_run_id(args.run_id)  # before anything connects or writes
-        from flowrl.infra.stack import apply_stack_env
+        from flowrl.infra.stack import apply_stack_env, check_component
 
-        apply_stack_env()  # a Prefect API if set, else the running local stack, else stop
+        local = apply_stack_env()  # a Prefect API if set, else the running local stack, else stop
+        if local is not None:  # what this command needs of the stack answers, or one line
+            for name in _NEEDS.get(getattr(args, "action", None), ("prefect",)):
+                check_component(local, name)
         from flowrl.infra.settings import get_settings
 
         get_settings().apply_to_environment()
@@ -426,9 +430,13 @@ def _ops(args) -> int:
     except ConfigError as err:
         print(f"flowrl: {err}", file=sys.stderr)
         return 2
-    except (NoStackError, _NotFound) as err:
+    except (NoStackError, ComponentDownError, MissingComponentError, _NotFound) as err:
         print(f"flowrl: {err}", file=sys.stderr)
         return 1
+
+
+_NEEDS = {"metrics": ("prefect", "mlflow"), "result": ("prefect", "s3")}
+"""The stack's components a ``jobs`` command talks to (others: the Prefect API only)."""
 
 
 class _NotFound(LookupError):
@@ -469,7 +477,8 @@ def _stack(args) -> int:
     from flowrl.infra import stack
 
     if args.action == "up":
-        print("starting the local stack (about 1-2 min):", file=sys.stderr, flush=True)
+        stack.check_installed()  # a missing piece: one line naming its install, nothing started
+        print("starting the local stack (about 30-60 s):", file=sys.stderr, flush=True)
         state = stack.stack_up(
             gpus=args.gpus, deploy=not args.no_deployments, ray=not args.no_ray, progress=True
         )
@@ -490,21 +499,29 @@ def _stack(args) -> int:
         for key, value in state.env.items():
             print(f"export {key}={value}")
         return 0
-    alive = {name: stack._alive(c.pid) for name, c in state.components.items()}
+    status = stack.component_status(state)
+    for entry in status.values():
+        entry["alive"] = entry["state"] == "RUNNING"
+    up = state.running() and all(e["alive"] for e in status.values())
     if args.json:
-        components = {k: {**v.__dict__, "alive": alive[k]} for k, v in state.components.items()}
-        out = {"state_file": str(path), "ui": state.ui, "components": components}
+        sup = {**state.supervisor, "alive": state.running()} if state.supervisor else None
+        out = {"state_file": str(path), "ui": state.ui, "supervisor": sup, "components": status}
         print(json.dumps(out, indent=2))
-        return 0
+        return 0 if up else 1
     names = {"prefect": "Prefect UI", "mlflow": "MLflow UI"}
     for key, url in state.ui.items():
         print(f"{names[key]:<11} {url}")
     print()
-    print(f"{'component':<10} {'pid':>8}  {'state':<7} url")
-    for name, comp in state.components.items():
-        print(f"{name:<10} {comp.pid:>8}  {'running' if alive[name] else 'exited':<7} {comp.url}")
+    if state.supervisor:
+        word = "running" if state.running() else "EXITED: `flowrl stack up` starts it again"
+        print(f"supervisor (supervisord) pid {state.supervisor['pid']}: {word}")
+    print(f"{'component':<10} {'pid':>8}  {'state':<9} {'restarts':>8}  url")
+    for name, e in status.items():
+        print(f"{name:<10} {e['pid']:>8}  {e['state']:<9} {e['restarts']:>8}  {e['url']}")
+        if e["last_reason"]:
+            print(f"{'':<10} {'':>8}  last restart: {e['last_reason']}")
     print(f"\nstate: {path}  (logs beside it)")
-    return 0 if all(alive.values()) else 1
+    return 0 if up else 1
 
 
 def _submit_parameters(args) -> dict:
@@ -567,11 +584,12 @@ def _jobs_on_api(args) -> int:
         status = jobs.cancel(args.run_id)
     else:
         status = jobs.status(args.run_id)
-    print(f"{status.id}  {status.state}  {status.message or ''}")
+    note = f" (attempt {status.attempts}; the stack resumes it)" if status.resumes else ""
+    print(f"{status.id}  {status.state}  {status.message or ''}{note}")
     if args.action == "wait":
         return 0 if status.state == "COMPLETED" else 1
     if args.action == "status":
-        return 1 if status.state in ("FAILED", "CRASHED", "CANCELLED") else 0
+        return 1 if status.final and status.state != "COMPLETED" else 0
     return 0
 
 

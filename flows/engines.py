@@ -33,6 +33,17 @@ LOCAL_RAY_SYSTEM_CONFIG = {
 }
 
 
+RAY_WAIT_S = 45.0
+"""How long a job waits for an unreachable Ray head (the stack's supervisor restarts a dead
+one in seconds) before it ends CRASHED, to be resumed."""
+
+
+class InfrastructureError(RuntimeError):
+    """Something under the job failed, not the job: the Ray head does not answer, Ray lost
+    the job's workers. The run ends CRASHED (``infrastructure_fault``), which the stack's
+    automation resumes from the last checkpoint."""
+
+
 _early_ray: Future[bool] | None = None
 """``connect_ray`` begun by ``start_engines`` in a thread, for the job's runner to take."""
 
@@ -167,8 +178,13 @@ def connect_ray() -> bool:
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
     init: dict[str, Any] = {"namespace": RAY_NAMESPACE, "log_to_driver": False, "runtime_env": env}
     if s.ray_address is not None:
-        with _keep_sigterm_handler():
-            ray.init(address=s.ray_address, **init)
+        _wait_for_head(s.ray_address)
+        try:
+            with _keep_sigterm_handler():
+                ray.init(address=s.ray_address, **init)
+        except (ConnectionError, TimeoutError, ray.exceptions.RaySystemError) as err:
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise InfrastructureError(f"Ray at {s.ray_address} refused the job: {first}") from err
         return True
     init |= {"num_cpus": s.ray_num_cpus, "include_dashboard": False}
     if s.ray_num_gpus is not None:
@@ -180,6 +196,52 @@ def connect_ray() -> bool:
         _stop_unused_daemons()
     yield_cpu_to_workers(_started_here(), s.ray_daemon_niceness)
     return True
+
+
+def _wait_for_head(address: str, wait_s: float = RAY_WAIT_S) -> None:
+    """Wait up to ``wait_s`` for the Ray head's GCS port to accept a connection; raise
+    ``InfrastructureError`` in one line if it does not (``ray.init`` would retry for minutes).
+    A ``ray://`` client address is left to ``ray.init``."""
+    import socket
+
+    if "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=2.0):
+                return
+        except OSError as err:
+            if time.monotonic() > deadline:
+                raise InfrastructureError(
+                    f"the Ray head at {address} does not answer (waited {wait_s:.0f} s: {err})"
+                ) from None
+            time.sleep(1.0)
+
+
+def infrastructure_fault(err: BaseException) -> str | None:
+    """One line saying what failed under the job, if ``err`` is the platform's failure rather
+    than the job's: ``InfrastructureError``, Ray losing the job's processes or its head, or a
+    server of the platform that does not answer (``tracking.is_outage``)."""
+    lost = (
+        ray.exceptions.RayActorError,
+        ray.exceptions.WorkerCrashedError,
+        ray.exceptions.NodeDiedError,
+        ray.exceptions.ObjectLostError,
+        ray.exceptions.RaySystemError,
+    )
+    if isinstance(err, InfrastructureError):
+        return str(err)
+    text = str(err).strip()
+    first = text.splitlines()[0][:300] if text else ""
+    if isinstance(err, lost):
+        return f"Ray lost the job's workers ({type(err).__name__}: {first})"
+    from flowrl.infra.tracking import is_outage
+
+    if is_outage(err):  # MLflow (or another server of the platform) did not answer
+        return f"a server of the platform did not answer ({type(err).__name__}: {first})"
+    return None
 
 
 def _stop_unused_daemons() -> None:

@@ -24,7 +24,7 @@ from prefect.artifacts import create_table_artifact
 
 from flowrl.backends.actors import stop_policy
 from flowrl.backends.model_uri import check_model_source, pin_model_uri
-from flowrl.flows.lifecycle import JobRun, task_runner
+from flowrl.flows.lifecycle import JobRun, resumable, task_runner
 from flowrl.flows.run_page import job_run_name
 from flowrl.infra import tracking
 from flowrl.tasks.evaluate import EvalSpec, ModelScore, score_model
@@ -77,6 +77,7 @@ def resolve_models(refs: list[str]) -> list[str]:
     log_prints=True,
     flow_run_name=job_run_name(EvalJobConfig),
 )
+@resumable
 def evaluate(config: EvalJobConfig = EvalJobConfig()) -> EvalResult:  # noqa: B008
     models = resolve_models(config.models)
     with JobRun(config) as job:

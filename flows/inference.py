@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from prefect import flow
 
 from flowrl.backends.model_uri import pin_model_uri
-from flowrl.flows.lifecycle import JobRun, task_runner
+from flowrl.flows.lifecycle import JobRun, resumable, task_runner
 from flowrl.flows.run_page import job_run_name
 from flowrl.infra import tracking
 from flowrl.tasks.inference import infer
@@ -38,6 +38,7 @@ class InferenceResult:
     log_prints=True,
     flow_run_name=job_run_name(InferenceJobConfig),
 )
+@resumable
 def batch_inference(config: InferenceJobConfig = InferenceJobConfig()) -> InferenceResult:  # noqa: B008
     with JobRun(config) as job:
         model_uri = pin_model_uri(config.model.source)  # an alias moving mid-job changes nothing

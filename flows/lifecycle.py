@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import inspect
+import os
+import shutil
+import sys
+import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
 from prefect.logging import get_run_logger
-from prefect.runtime import flow_run
+from prefect.runtime import deployment, flow_run
 from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ThreadPoolTaskRunner
 
@@ -32,11 +37,12 @@ from flowrl.backends.placement import Placement
 from flowrl.backends.types import LoraSettings, WorkerSpec
 from flowrl.environments.remote import stop_env_pool
 from flowrl.environments.timeouts import abandoning_calls
-from flowrl.flows.engines import connect_ray
+from flowrl.flows.engines import InfrastructureError, connect_ray, infrastructure_fault
 from flowrl.flows.run_page import Column, Phase, RunPage
 from flowrl.infra import tracking
-from flowrl.infra.redact import redact
-from flowrl.infra.scheduler import gpu_slots
+from flowrl.infra.outbox import Outbox
+from flowrl.infra.redact import redact, redact_text
+from flowrl.infra.scheduler import gpu_slots, load_scheduler
 from flowrl.infra.settings import get_settings
 from flowrl.infra.storage import Storage
 from flowrl.tasks.schemas import JobConfig
@@ -46,6 +52,9 @@ METRIC_WRITE_STEPS = 10
 """``JobRun.log`` writes to MLflow once this many steps' metrics are waiting ..."""
 METRIC_WRITE_SECONDS = 2.0
 """... or once the oldest has waited this long (checked when the next step logs)."""
+OUTBOX_WAIT_ON_FAILURE_S = 30.0
+"""How long a failing job waits for MLflow to take its last records (the rest stay on disk for
+the job's next attempt)."""
 
 
 class RayStageRunner(ThreadPoolTaskRunner):
@@ -61,11 +70,22 @@ class RayStageRunner(ThreadPoolTaskRunner):
     def __init__(self, max_workers: int = 12):  # up to 8 rollouts ahead (max_staleness), + 4
         super().__init__(max_workers=max_workers)
         self._owns_ray = False
+        self.unreachable: InfrastructureError | None = None
+        """Why Ray could not be reached, raised by the flow (``JobRun``), where its run
+        logger says it in one line and the run ends CRASHED (``resumable``)."""
 
     def __enter__(self) -> RayStageRunner:
         super().__enter__()
-        self._owns_ray = connect_ray()
+        try:
+            self._owns_ray = connect_ray()
+        except InfrastructureError as err:
+            self.unreachable = err
         return self
+
+    def submit(self, *args: Any, **kwargs: Any) -> Any:
+        if self.unreachable is not None:
+            raise self.unreachable
+        return super().submit(*args, **kwargs)
 
     def __exit__(self, *exc_info: Any) -> None:
         """Shut down a Ray it started, then wait for the stage threads. A run that is stopping
@@ -79,6 +99,99 @@ class RayStageRunner(ThreadPoolTaskRunner):
         finally:
             with abandoning_calls() if stopping else contextlib.nullcontext():
                 super().__exit__(*exc_info)
+
+
+def resumable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A job flow whose platform fails under it (``infrastructure_fault``: the Ray head does
+    not answer, Ray lost its workers) logs one line saying so and ends CRASHED, not FAILED: the
+    stack's automation schedules a crashed run of a ``flowrl-resume`` deployment again, and it
+    resumes from its last checkpoint (``infra/scheduler.py``). A failure of the job itself (a
+    bad config, an error in its environment) still ends FAILED."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        from prefect.states import Crashed
+
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:
+            reason = infrastructure_fault(err)
+            if reason is None:
+                raise
+            get_run_logger().error("crashed: %s", reason)
+            return Crashed(message=f"flowrl: {reason}")
+
+    # Prefect builds the flow's parameter model from the signature: give it the annotations
+    # resolved in the flow's own module (they are strings there, names unknown here).
+    run.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
+    return run
+
+
+def _attempt() -> tuple[int, int]:
+    """This run's attempt (1, then 2, ... after each crash the automation resumed: Prefect's
+    run count) and the scheduler's ``max_attempts``."""
+    return max(1, int(flow_run.get_run_count() or 1)), load_scheduler().max_attempts
+
+
+FENCE_SECONDS = 5.0
+"""How often an attempt of a deployment run checks that no newer attempt has started."""
+
+
+class AttemptFence:
+    """The older of two live attempts of one flow run steps aside.
+
+    Prefect's process worker may report one death of a run's process twice; the second report
+    can land on the next attempt while it runs, and the resume automation then starts another
+    beside it. So every attempt of a deployment run watches the run's attempt count in the
+    API (a thread, every ``FENCE_SECONDS``): once a newer attempt has started, this one exits
+    at once with status 0, which nothing reports as a crash, touching neither the run's state
+    nor its storage. An attempt after the first waits out two watch periods before it starts
+    anything, so an older attempt that is still alive has gone by then."""
+
+    def __init__(self, run_id: str, attempt: int):
+        self.run_id, self.attempt = run_id, attempt
+        self._stop = threading.Event()
+        self._logger = get_run_logger()
+        threading.Thread(target=self._watch, name="attempt-fence", daemon=True).start()
+
+    def _current(self) -> int | None:
+        from uuid import UUID
+
+        from prefect import get_client
+
+        try:
+            with get_client(sync_client=True) as client:
+                return client.read_flow_run(UUID(self.run_id)).run_count
+        except Exception:  # noqa: BLE001 - the API down: carry on, look again later
+            return None
+
+    def _watch(self) -> None:
+        while not self._stop.wait(FENCE_SECONDS):
+            current = self._current()
+            if current is not None and current > self.attempt:
+                line = f"attempt {current} of this run has started: attempt {self.attempt} stops"
+                with contextlib.suppress(Exception):
+                    self._logger.warning(line)
+                print(f"flowrl: {line}", file=sys.stderr, flush=True)
+                os._exit(0)
+
+    def settle(self) -> None:
+        """Wait two watch periods (see the class)."""
+        time.sleep(2 * FENCE_SECONDS)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def attempt_check() -> int:
+    """This run's attempt; a run past the scheduler's ``max_attempts`` stops here, FAILED."""
+    attempt, cap = _attempt()
+    if attempt > cap:
+        raise RuntimeError(
+            f"attempt {attempt}: this job crashed {attempt - 1} times and is not resumed again "
+            f"(max_attempts {cap} in the scheduler declaration)"
+        )
+    return attempt
 
 
 def task_runner() -> RayStageRunner:
@@ -124,10 +237,10 @@ class JobRun:
         self._published = False
         self._admitted: set[str] = set()  # shared workers whose adapter slot the run holds
         self._exits = contextlib.ExitStack()
-        # Metrics reach MLflow from one background thread, in order, off the step's path, a
-        # few steps per write (one transaction each; SQLite's cost is per write, not per value).
-        self._metrics = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mlflow-metrics")
-        self._logged: list[Future] = []
+        # Metrics, samples and tags reach MLflow through a durable outbox (infra/outbox.py): on
+        # disk first, then delivered by one background thread, in order, off the step's path,
+        # a few steps per write; an MLflow outage delays them and not the job.
+        self._outbox: Outbox | None = None
         self._unsent: list[tuple[dict[str, float], int]] = []
         self._unsent_since = 0.0
         self._logged_through: dict[str, int] = {}  # a continued run's last step of each metric
@@ -138,7 +251,19 @@ class JobRun:
 
     def __enter__(self) -> JobRun:
         get_settings().apply_to_environment()
+        runner = _current_runner()
+        if runner is not None and runner.unreachable is not None:
+            raise runner.unreachable  # before any slot is held: no GPU waits on a dead head
+        attempt = attempt_check()
         with contextlib.ExitStack() as entering:
+            run_id = flow_run.get_id()
+            if run_id is not None and deployment.get_id() is not None:
+                fence = AttemptFence(run_id, attempt)
+                entering.callback(fence.stop)
+                if attempt > 1:
+                    cap = load_scheduler().max_attempts
+                    self.say(f"attempt {attempt} of {cap}: resuming after a crash")
+                    fence.settle()
             # A shared worker's tenant holds an adapter slot (``_admit``); the worker, its GPUs.
             entering.enter_context(gpu_slots(self.placement().run_gpu_slots))
             entering.callback(self._stop_workers)  # runs first on exit: workers, then slots
@@ -148,11 +273,18 @@ class JobRun:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
-            self.flush_metrics(raise_errors=exc_type is None)
-            if exc_type is not None:
-                tracking.end_run(self.run_id, status="FAILED")
+            if exc_type is None:
+                self.flush_metrics()
+            else:  # a failing job waits a little for MLflow; what is left waits on disk
+                with contextlib.suppress(Exception):
+                    self.flush_metrics(timeout=OUTBOX_WAIT_ON_FAILURE_S)
+                with contextlib.suppress(Exception):
+                    tracking.end_run(self.run_id, status="FAILED")
         finally:
-            self._metrics.shutdown(wait=True)
+            if self._outbox is not None:
+                self._outbox.close()
+                if self._outbox.pending == 0:
+                    shutil.rmtree(self._outbox.folder, ignore_errors=True)
             self._exits.__exit__(exc_type, exc, tb)
 
     def _start_tracking(self) -> str:
@@ -171,6 +303,10 @@ class JobRun:
             for row in tracking.metric_table(run_id, self.page.metrics, limit=10**9):
                 self.page.record(row, int(row.pop("step")))  # the table and curve of a resumed run
         self.storage.write_json(job_file, {"mlflow_run_id": run_id, "config": params})
+        # One outbox per MLflow run: a resumed attempt on this machine first delivers what the
+        # one before it could not.
+        folder = get_settings().resolved_home / "outbox" / run_id
+        self._outbox = Outbox(folder, tracking.MlflowDelivery(run_id), say=_thread_safe_say())
         return run_id
 
     def _stop_workers(self) -> None:
@@ -286,7 +422,7 @@ class JobRun:
         nodes = worker_nodes(policy)
         tags = {f"node/{prefix}trainer": nodes[policy.trainer]}
         tags |= {f"node/{prefix}sampler-{i}": nodes[s] for i, s in enumerate(policy.samplers)}
-        tracking.set_tags(self.run_id, tags)  # where each worker runs, on the MLflow run
+        self.set_tags(tags)  # where each worker runs, on the MLflow run
         if name is None:  # the job's policy: served as `job:<name>` while it runs
             live.publish(self.storage, self.ctx.prefix, policy, model_uri)
             self._published = True
@@ -336,27 +472,33 @@ class JobRun:
             self._send_metrics()
 
     def _send_metrics(self) -> None:
-        self._logged = [f for f in self._logged if not f.done() or f.exception() is not None]
-        if self._unsent:
+        if self._unsent and self._outbox is not None:
             rows, self._unsent = self._unsent, []
-            self._logged.append(self._metrics.submit(tracking.log_metric_rows, self.run_id, rows))
+            at = int(time.time() * 1000)
+            self._outbox.put({"kind": "metrics", "rows": rows, "at": at})
 
     def log_json(self, payload: Any, artifact_file: str) -> None:
         """Write ``payload`` as a JSON artifact of the MLflow run, in the background like
         ``log``."""
-        self._logged.append(
-            self._metrics.submit(tracking.log_json, self.run_id, payload, artifact_file)
-        )
+        assert self._outbox is not None
+        self._outbox.put({"kind": "json", "payload": payload, "file": artifact_file})
 
-    def flush_metrics(self, raise_errors: bool = True) -> None:
-        """Wait until every metric logged so far is in MLflow, raising the first write error
-        (before a checkpoint commits: a job killed after it resumes without losing the
-        metrics of the steps it keeps)."""
+    def set_tags(self, tags: dict[str, str]) -> None:
+        """Tags of the MLflow run, in the background like ``log``."""
+        assert self._outbox is not None
+        self._outbox.put({"kind": "tags", "tags": tags})
+
+    def flush_metrics(self, wait: bool = True, timeout: float | None = None) -> None:
+        """Put every metric logged so far into the outbox (on disk: a job killed after this
+        and resumed on this machine loses none of them); with ``wait``, also wait until MLflow
+        has them all, for as long as the server takes to come back (or ``timeout`` seconds),
+        raising an error MLflow answered. Before a checkpoint: no wait; before the job
+        registers its version or ends: wait."""
         self._send_metrics()
-        logged, self._logged = self._logged, []
-        errors = [e for e in (f.exception() for f in logged) if e is not None]
-        if errors and raise_errors:
-            raise errors[0]
+        if wait and self._outbox is not None:
+            if self._outbox.pending:
+                self.say(f"waiting for MLflow to take {self._outbox.pending} records")
+            self._outbox.drain(timeout)
 
     def finish(
         self,
@@ -379,6 +521,28 @@ class JobRun:
         rows = page.results_table() if page.columns else tracking.metric_table(self.run_id, table)
         page.publish(record, rows, self.run_id, tracking.run_url(self.run_id))
         tracking.end_run(self.run_id)
+
+
+def _thread_safe_say() -> Callable[[str], None]:
+    """A warning line of this run's log that any thread may write (the run logger is looked
+    up here, where the run's context is; outside a run, flowrl's own logger)."""
+    import logging
+
+    from prefect.exceptions import MissingContextError
+
+    try:
+        logger: Any = get_run_logger()
+    except MissingContextError:
+        logger = logging.getLogger("flowrl")
+    return lambda line: logger.warning(redact_text(line))
+
+
+def _current_runner() -> RayStageRunner | None:
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    runner = getattr(context, "task_runner", None)
+    return runner if isinstance(runner, RayStageRunner) else None
 
 
 def due(step: int, total: int, every: int, at_end: bool = False) -> bool:

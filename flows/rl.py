@@ -14,7 +14,7 @@ from typing import Any
 from prefect import flow
 from prefect.utilities.annotations import quote
 
-from flowrl.flows.lifecycle import JobRun, StepClock, due, task_runner
+from flowrl.flows.lifecycle import JobRun, StepClock, due, resumable, task_runner
 from flowrl.flows.rollouts import RolloutStream, step_times
 from flowrl.flows.run_page import Column, job_run_name
 from flowrl.tasks.model import describe_warmup, prepare_model, register, warmup, warmup_plan
@@ -56,6 +56,7 @@ loss and the step's wall seconds."""
     log_prints=True,
     flow_run_name=job_run_name(RLJobConfig),
 )
+@resumable
 def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
     # GPU slots are held from before any worker starts until every worker has stopped.
     with JobRun(config, resume=True, columns=COLUMNS) as job:
@@ -103,7 +104,7 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
                 job.advance(step + 1, reward=scored.metrics.get("reward/mean", 0.0))
                 if due(step, total, config.schedule.checkpoint_every, at_end=True):
                     meta = {"cursor": batch.cursor, "accuracy_start": acc_start}
-                    job.flush_metrics()  # the steps a checkpoint keeps keep their metrics
+                    job.flush_metrics(wait=False)  # on disk: the steps a checkpoint keeps keep them
                     checkpoint.submit(config, job.ctx, policy, step + 1, meta).result()
             phase.result = f"done, {job.done_steps - start} steps"
         with job.phase("final evaluation") as phase:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from prefect import flow
 
 from flowrl.backends.actors import PolicyRef
-from flowrl.flows.lifecycle import JobRun, StepClock, due, task_runner
+from flowrl.flows.lifecycle import JobRun, StepClock, due, resumable, task_runner
 from flowrl.flows.run_page import Column, job_run_name
 from flowrl.tasks.model import describe_warmup, prepare_model, register, warmup, warmup_plan
 from flowrl.tasks.rl import score, update
@@ -71,6 +71,7 @@ def columns(owners: tuple[str, ...]) -> tuple[Column, ...]:
     log_prints=True,
     flow_run_name=job_run_name(SelfPlayJobConfig),
 )
+@resumable
 def self_play(config: SelfPlayJobConfig = SelfPlayJobConfig()) -> SelfPlayResult:  # noqa: B008
     owners = trained_policies(config)
     with JobRun(config, resume=True, columns=columns(owners)) as job:
@@ -113,7 +114,7 @@ def self_play(config: SelfPlayJobConfig = SelfPlayJobConfig()) -> SelfPlayResult
                 }
                 job.advance(step + 1, **outcomes)
                 if due(step, total, config.schedule.checkpoint_every, at_end=True):
-                    job.flush_metrics()  # the steps a checkpoint keeps keep their metrics
+                    job.flush_metrics(wait=False)  # on disk: the steps a checkpoint keeps keep them
                     checkpoint_policies.submit(config, ctxs, refs, step + 1).result()
             phase.result = f"done, {job.done_steps - start} steps"
         with job.phase("final evaluation", "each policy against the reference opponent") as ph:

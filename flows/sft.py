@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from prefect import flow
 
-from flowrl.flows.lifecycle import JobRun, task_runner
+from flowrl.flows.lifecycle import JobRun, resumable, task_runner
 from flowrl.flows.run_page import Column, job_run_name
 from flowrl.tasks.model import prepare_model, register
 from flowrl.tasks.schemas import SFTJobConfig
@@ -46,6 +46,7 @@ step's seconds (its chunk's training time over its steps)."""
     log_prints=True,
     flow_run_name=job_run_name(SFTJobConfig),
 )
+@resumable
 def sft_train(config: SFTJobConfig) -> SFTResult:
     with JobRun(config, columns=COLUMNS) as job:
         base_uri = prepare_model.submit(config, job.ctx).result()

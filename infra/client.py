@@ -19,7 +19,7 @@ from typing import Any
 from uuid import UUID
 
 from flowrl.infra.configfile import merge
-from flowrl.infra.scheduler import admit, load_scheduler
+from flowrl.infra.scheduler import RESUME_DELAY_SECONDS, RESUME_TAG, admit, load_scheduler
 
 
 @dataclass(frozen=True)
@@ -35,9 +35,16 @@ class JobStatus:
     message: str | None
     start_time: datetime | None
     end_time: datetime | None
+    attempts: int = 1
+    """Attempts so far (Prefect's run count: a crashed job resumed by the stack runs again)."""
+    resumes: bool = False
+    """CRASHED, and the stack's automation schedules it again (a ``flowrl-resume`` deployment's
+    run with attempts left): not over yet."""
 
     @property
     def final(self) -> bool:
+        if self.resumes:
+            return False
         return self.state in {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
 
 
@@ -119,15 +126,27 @@ class JobClient:
         with self._client() as c:
             run = c.read_flow_run(UUID(run_id))
             deployment = c.read_deployment(run.deployment_id).name if run.deployment_id else None
+        state = run.state_type.value if run.state_type else "UNKNOWN"
+        resumes = (
+            state == "CRASHED"
+            and RESUME_TAG in run.tags
+            and run.run_count < load_scheduler().max_attempts
+            and run.state is not None
+            # The automation acts RESUME_DELAY_SECONDS after the crash; past a minute more,
+            # nothing is coming (no automation on this API, or it is down).
+            and (time.time() - run.state.timestamp.timestamp()) < RESUME_DELAY_SECONDS + 60
+        )
         return JobStatus(
             id=str(run.id),
             name=run.name,
             deployment=deployment,
             queue=run.work_queue_name,
-            state=run.state_type.value if run.state_type else "UNKNOWN",
+            state=state,
             message=run.state.message if run.state else None,
             start_time=run.start_time,
             end_time=run.end_time,
+            attempts=max(1, run.run_count),
+            resumes=resumes,
         )
 
     def list(self, limit: int = 20, states: list[str] | None = None) -> list[JobStatus]:

@@ -58,6 +58,7 @@ def apply_deployments(spec: SchedulerSpec, path: str | Path | None = None) -> li
                 parameters=d.get("parameters") or {},
                 schedules=schedules or None,
                 description=d.get("description"),
+                tags=d.get("tags") or None,
                 build=False,
                 push=False,
                 print_next_steps=False,

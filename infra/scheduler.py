@@ -23,6 +23,18 @@ from flowrl.infra.configfile import STRICT_MODEL_CONFIG
 from flowrl.infra.settings import get_settings
 
 DEFAULT_FILE = Path(__file__).with_name("scheduler.yaml")
+RESUME_TAG = "flowrl-resume"
+"""The tag of the deployments whose crashed runs are resumed (``prefect.yaml``)."""
+RESUME_AUTOMATION = "flowrl: resume crashed jobs"
+RESUME_DELAY_SECONDS = 10
+ZOMBIE_AUTOMATION = "flowrl: crash runs without a heartbeat"
+HEARTBEAT_SECONDS = 30
+"""How often a flow run tells the API it is alive (``PREFECT_FLOWS_HEARTBEAT_FREQUENCY``, set
+by the stack for its worker's runs)."""
+ZOMBIE_AFTER_SECONDS = 150
+"""A running flow run whose process has sent no heartbeat for this long is marked CRASHED:
+its process died without anyone to report it (its worker died too, or the stack went down
+under it). Generous, so a Prefect server restarting under a live run does not mark it."""
 K8S_TEMPLATE = Path(__file__).parent / "k8s" / "base-job-template.json"
 
 
@@ -58,6 +70,16 @@ class SchedulerSpec(_Spec):
         description="Lease on a job's GPU slots, renewed while it runs (every 3/4 of it). A "
         "killed job's slots return to the pool when the lease runs out (plus up to the "
         "server's repossessor interval). Prefect's API accepts 60 s or more.",
+    )
+
+    max_attempts: int = Field(
+        default=3,
+        ge=1,
+        description="Attempts of a job whose process died (SIGKILL, a lost node, a lost Ray "
+        f"head): a run of a deployment tagged {RESUME_TAG!r} that ends CRASHED is scheduled "
+        "again on the same flow run (Prefect's retry: same id and parameters, the run count "
+        "goes up) and resumes from its last checkpoint, up to this many attempts in all. "
+        "1: never resumed.",
     )
 
     @model_validator(mode="after")
@@ -157,7 +179,101 @@ async def apply_scheduler(spec: SchedulerSpec) -> list[str]:
             )
             verb = "created"
         done.append(f"global concurrency limit {spec.gpu_limit}: {verb} ({pool.gpus} slots)")
+        done.append(await _apply_resume_automation(client, spec.max_attempts))
+        done.append(await _apply_zombie_automation(client))
     return done
+
+
+async def _apply_zombie_automation(client: Any) -> str:
+    """Prefect's documented detection of runs that died unreported ("zombies"): after a
+    ``prefect.flow-run.heartbeat``, expect another (or the run's end) within
+    ``ZOMBIE_AFTER_SECONDS``; if none comes, mark the run CRASHED, which frees its queue's
+    slot and, for a ``RESUME_TAG`` run, lets the resume automation schedule it again."""
+    from datetime import timedelta
+
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+
+    for existing in await client.read_automations_by_name(ZOMBIE_AUTOMATION):
+        await client.delete_automation(existing.id)
+    ends = ("heartbeat", "Completed", "Failed", "Cancelled", "Crashed")
+    trigger = EventTrigger(
+        after={"prefect.flow-run.heartbeat"},
+        expect={f"prefect.flow-run.{end}" for end in ends},
+        match={"prefect.resource.id": ["prefect.flow-run.*"]},
+        for_each={"prefect.resource.id"},
+        posture=Posture.Proactive,
+        threshold=1,
+        within=timedelta(seconds=ZOMBIE_AFTER_SECONDS),
+    )
+    action = ChangeFlowRunState(
+        state=StateType.CRASHED,
+        message=f"flowrl: no heartbeat from the run's process for {ZOMBIE_AFTER_SECONDS} s",
+    )
+    automation = AutomationCore(
+        name=ZOMBIE_AUTOMATION,
+        description="Mark runs whose process died unreported as CRASHED.",
+        trigger=trigger,
+        actions=[action],
+    )
+    await client.create_automation(automation)
+    return f"automation {ZOMBIE_AUTOMATION!r}: set ({ZOMBIE_AFTER_SECONDS} s)"
+
+
+async def _apply_resume_automation(client: Any, max_attempts: int) -> str:
+    """Prefect's documented way to rerun crashed flow runs: an automation whose trigger is a
+    ``prefect.flow-run.Crashed`` event of a run tagged ``RESUME_TAG`` and whose action sets that
+    run SCHEDULED again (as ``prefect flow-run retry`` does), while the event's run count (the
+    attempts so far) is under ``max_attempts``. The worker picks it up, the run count goes up,
+    and the job resumes from its checkpoint. Each attempt is in the run's state history in the
+    UI. (Prefect's process worker may report one death twice; the second report can land on
+    the next attempt: ``JobRun``'s fence makes the older of two live attempts step aside.)"""
+    from datetime import timedelta
+
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
+
+    for existing in await client.read_automations_by_name(RESUME_AUTOMATION):
+        await client.delete_automation(existing.id)
+    if max_attempts <= 1:
+        return f"automation {RESUME_AUTOMATION!r}: none (max_attempts 1)"
+    trigger = EventTrigger(
+        # Fires RESUME_DELAY_SECONDS after the Crashed event (if the run has not started again
+        # meanwhile): Prefect's process worker may report one death twice, seconds apart, and
+        # the second report must find the run still CRASHED (refused, no second event), not
+        # the next attempt running.
+        after={"prefect.flow-run.Crashed"},
+        expect={"prefect.flow-run.Running", "prefect.flow-run.Scheduled"},
+        for_each={"prefect.resource.id"},
+        # The cap, kept by Prefect: a Crashed event carries the run's count of attempts.
+        match={
+            "prefect.resource.id": "prefect.flow-run.*",
+            "prefect.run-count": [str(n) for n in range(max_attempts)],
+        },
+        match_related={
+            "prefect.resource.role": "tag",
+            "prefect.resource.id": f"prefect.tag.{RESUME_TAG}",
+        },
+        posture=Posture.Proactive,
+        threshold=1,
+        within=timedelta(seconds=RESUME_DELAY_SECONDS),
+    )
+    action = ChangeFlowRunState(
+        state=StateType.SCHEDULED,
+        name="AwaitingRetry",
+        message="flowrl: the job's process died; scheduled again to resume from its checkpoint",
+        force=True,
+    )
+    automation = AutomationCore(
+        name=RESUME_AUTOMATION,
+        description=f"Resume jobs tagged {RESUME_TAG} that crash, up to {max_attempts} attempts.",
+        trigger=trigger,
+        actions=[action],
+    )
+    await client.create_automation(automation)
+    return f"automation {RESUME_AUTOMATION!r}: set (up to {max_attempts} attempts)"
 
 
 def gpu_slots_total(limit_name: str) -> int | None:

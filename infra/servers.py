@@ -32,6 +32,11 @@ TEST_CREDENTIALS = {
 }
 
 
+class MissingComponentError(RuntimeError):
+    """A program the local stack runs is not installed; the message names the command that
+    installs it."""
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port that was free on `host` a moment ago (the usual bind-to-0 trick)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:

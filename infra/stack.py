@@ -1,38 +1,48 @@
-"""A real local stack on 127.0.0.1, one command up and one down.
+"""A real local stack on 127.0.0.1, one command up and one down, that stays up.
 
-``flowrl stack up`` starts, in order: ``moto_server`` (the S3 endpoint, with a bucket), an
-MLflow tracking server (SQLite backend, artifacts proxied to S3), a Prefect server, a Ray head,
-then applies the scheduler declaration and the deployments and starts a process worker on the
-pool. Each component runs in its own process group; PIDs, ports and the environment a client
-needs are kept in ``<FLOWRL_HOME>/stack/state.json``, and a pointer to that file in the user's
-config folder (``<FLOWRL_CONFIG_DIR>/stack.json``, default ``~/.config/flowrl/stack.json``) lets a
-client in any directory find the stack. ``flowrl stack down`` stops them by PID in reverse order
-(the worker before the Prefect server) and removes both files. ``docs/stack.md`` says how
-production swaps each one.
+``flowrl stack up`` starts supervisord (``infra/supervise.py``) and, through it, in order:
+PostgreSQL (``infra/postgres.py``; the database of Prefect's and MLflow's servers), S3
+(SeaweedFS, objects on disk: ``infra/objectstore.py``), an MLflow tracking server (artifacts
+proxied to S3), a Prefect server, a Ray head; then it applies the scheduler declaration and the
+deployments and starts a process worker on the pool, the Tinker API and the OpenAI-compatible
+endpoint. supervisord restarts a component that exits, on the same port with the same data;
+its health listener restarts one that stops answering. The data (``<stack>/postgres``,
+``<stack>/s3``) outlives ``stack down``: the next ``stack up`` finds every run, version,
+checkpoint and artifact where it was.
+
+PIDs, ports and the environment a client needs are kept in ``<FLOWRL_HOME>/stack/state.json``,
+and a pointer to that file in the user's config folder (``<FLOWRL_CONFIG_DIR>/stack.json``,
+default ``~/.config/flowrl/stack.json``) lets a client in any directory find the stack.
+``flowrl stack down`` stops supervisord, which stops every component (highest priority first:
+the services and the worker before the servers they use), and removes both files.
+``docs/stack.md`` says how production swaps each one.
 
 A client (``flowrl jobs``, ``flowrl infra up``) finds its Prefect API in this order:
 ``PREFECT_API_URL`` / ``FLOWRL_PREFECT_API_URL`` if set; else the running stack of
 ``<FLOWRL_HOME>/stack/state.json``; else the running stack the pointer names. With none of them
-it stops with ``NoStackError`` and writes nothing.
+it stops with ``NoStackError`` and writes nothing. A stack is running while its supervisor is;
+a component that is down (and being restarted) is named by ``ComponentDownError``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
+import secrets
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from flowrl.infra import objectstore
 from flowrl.infra.niceness import RAY_WORKER_NICENESS, yield_cpu_to_workers
+from flowrl.infra.postgres import Postgres
+from flowrl.infra.scheduler import HEARTBEAT_SECONDS
 from flowrl.infra.servers import TEST_CREDENTIALS, free_port, wait_for_http
 from flowrl.infra.settings import get_settings
+from flowrl.infra.supervise import Program, Supervisor, read_record
 
 HOST = "127.0.0.1"
 BUCKET = "flowrl"
@@ -40,18 +50,32 @@ BIN = Path(sys.executable).parent
 REPOSSESSOR_LOOP_SECONDS = 5
 WORKER_QUERY_SECONDS = 1  # Prefect's default of 10 s would dominate submission -> start
 MLFLOW_UI_PAGE = "#/experiments?workflowType=machine_learning"
-STOP_ORDER = ("openai", "tinker", "worker", "ray", "prefect", "mlflow", "moto")
+START_ORDER = ("postgres", "s3", "mlflow", "prefect", "ray", "worker", "tinker", "openai")
+STOP_ORDER = tuple(reversed(START_ORDER))
 POINTER_NAME = "stack.json"
 # Flow runs started by the stack's worker send no task-run INFO lines to the API (one "Finished
 # in state Completed()" per stage and step drowned the flow's own lines); task-run warnings and
 # errors still go, and the flow-run logger stays at INFO. Prefect reads any key of its
 # logging.yml from PREFECT_LOGGING_<PATH>_<TO>_<KEY>.
-PREFECT_DATABASE_TIMEOUT_S = 60
 TASK_RUN_LOG_LEVEL = {"PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL": "WARNING"}
+WHAT = {
+    "postgres": "PostgreSQL",
+    "s3": "S3 (SeaweedFS)",
+    "mlflow": "MLflow server",
+    "prefect": "Prefect server",
+    "ray": "Ray head",
+    "worker": "Prefect worker",
+    "tinker": "Tinker API",
+    "openai": "OpenAI-compatible endpoint",
+}
 
 
 class NoStackError(RuntimeError):
     """No Prefect API is set and no local stack is running: a client has nothing to talk to."""
+
+
+class ComponentDownError(RuntimeError):
+    """A component of the running stack does not answer (its supervisor restarts it)."""
 
 
 @dataclass
@@ -67,6 +91,8 @@ class StackState:
 
     components: dict[str, Component] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    supervisor: dict[str, str | int] = field(default_factory=dict)
+    """supervisord's ``pid``, ``socket`` and ``home`` (the stack's folder)."""
 
     @property
     def ui(self) -> dict[str, str]:
@@ -77,13 +103,22 @@ class StackState:
             links["prefect"] = self.components["prefect"].url.removesuffix("api")
         if "mlflow" in self.components:
             # The experiments list in the "Model training" view (MLflow 3.17's UI opens in its
-            # GenAI view unless the link asks; it keeps the choice as one moves on).
+            # GenAI view unless a link asks; it keeps the choice as one moves on).
             links["mlflow"] = self.components["mlflow"].url.rstrip("/") + "/" + MLFLOW_UI_PAGE
         return links
 
     def running(self) -> bool:
-        """Every component's process is alive."""
+        """The stack's supervisor is alive (its components may be restarting; a stack made
+        before supervision: every component's process is alive)."""
+        if self.supervisor:
+            return _alive(int(self.supervisor["pid"]))
         return bool(self.components) and all(_alive(c.pid) for c in self.components.values())
+
+    def supervisord(self) -> Supervisor | None:
+        if not self.supervisor:
+            return None
+        home = Path(str(self.supervisor["home"]))
+        return Supervisor(home, Path(str(self.supervisor["socket"])))
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -96,7 +131,7 @@ class StackState:
             return None
         data = json.loads(path.read_text())
         comps = {k: Component(**v) for k, v in data["components"].items()}
-        return cls(components=comps, env=data["env"])
+        return cls(components=comps, env=data["env"], supervisor=data.get("supervisor") or {})
 
 
 def stack_dir() -> Path:
@@ -158,9 +193,9 @@ def find_stack() -> StackState:
     if stopped:
         home = stopped[0].env.get("FLOWRL_HOME", str(get_settings().resolved_home))
         raise NoStackError(
-            f"the flowrl stack in {home} is not running (some of its processes exited) and no "
-            f"Prefect API is set; restart it with `FLOWRL_HOME={home} flowrl stack up` "
-            "or set PREFECT_API_URL"
+            f"the flowrl stack in {home} is not running (its supervisor exited) and no "
+            f"Prefect API is set; start it again with `FLOWRL_HOME={home} flowrl stack up` "
+            "(its data is kept) or set PREFECT_API_URL"
         )
     raise NoStackError(
         "no flowrl stack is running and no Prefect API is set; start one with "
@@ -168,31 +203,65 @@ def find_stack() -> StackState:
     )
 
 
-def _spawn(name: str, cmd: list[str], env: dict[str, str], state: StackState, url: str) -> int:
-    log = stack_dir() / f"{name}.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(
-            cmd,
-            env={**os.environ, **env},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=str(Path(__file__).resolve().parent.parent),
-            start_new_session=True,  # its own process group: stopped as a whole, by PID
-        )
-    state.components[name] = Component(pid=proc.pid, url=url, log=str(log))
-    state.save(state_file())
-    return proc.pid
+def component_status(state: StackState) -> dict[str, dict]:
+    """Each component: ``pid``, ``state`` (supervisord's: RUNNING, STARTING, BACKOFF, ...;
+    EXITED for a dead process of an unsupervised stack), ``restarts`` and ``last_reason`` (the
+    health listener's record), ``url``, ``log``."""
+    sup = state.supervisord()
+    live: dict[str, dict] = {}
+    record: dict[str, dict] = {}
+    if sup is not None and state.running():
+        try:
+            live = sup.processes()
+        except OSError:
+            live = {}
+        record = read_record(sup.home)
+    out = {}
+    for name, comp in state.components.items():
+        info = live.get(name)
+        if info is not None:
+            pid, status = int(info["pid"]) or comp.pid, info["statename"]
+        else:
+            pid, status = comp.pid, "RUNNING" if _alive(comp.pid) else "EXITED"
+        entry = record.get(name, {})
+        out[name] = {
+            "pid": pid,
+            "state": status,
+            "restarts": entry.get("restarts", 0),
+            "last_reason": entry.get("last_reason"),
+            "url": comp.url,
+            "log": comp.log,
+        }
+    return out
 
 
-def _wait_tcp(port: int, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as sock:
-            if sock.connect_ex((HOST, port)) == 0:
-                return
-        time.sleep(0.2)
-    raise TimeoutError(f"nothing listens on {HOST}:{port} after {timeout} s")
+def check_component(state: StackState, name: str, timeout: float = 15.0) -> None:
+    """Raise ``ComponentDownError`` naming ``name``, its address and its state if it does not
+    answer its health URL within ``timeout`` seconds."""
+    comp = state.components.get(name)
+    if comp is None:
+        raise ComponentDownError(f"the stack has no {WHAT.get(name, name)}")
+    url = _health_url(name, comp.url)
+    if url is None:
+        return
+    try:
+        wait_for_http(url, timeout)
+    except TimeoutError:
+        status = component_status(state).get(name, {})
+        why = f"; last: {status['last_reason']}" if status.get("last_reason") else ""
+        raise ComponentDownError(
+            f"the stack's {WHAT.get(name, name)} at {comp.url} does not answer "
+            f"(supervisor: {status.get('state', '?')}, {status.get('restarts', 0)} restarts"
+            f"{why}); it is being restarted, try again shortly (`flowrl stack status`)"
+        ) from None
+
+
+def _health_url(name: str, url: str) -> str | None:
+    paths = {"mlflow": "/health", "prefect": "/health", "tinker": "/api/v1/healthz"}
+    paths |= {"openai": "/health", "s3": "/healthz"}
+    if name in paths:
+        return url.rstrip("/") + paths[name]
+    return None
 
 
 def _alive(pid: int) -> bool:
@@ -207,22 +276,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def stop_component(name: str, comp: Component, timeout: float = 20.0) -> None:
-    """SIGINT (the worker; the Ray head, which `ray start --block` ignores SIGTERM for) or
-    SIGTERM to the component's process group; SIGKILL if it lingers."""
-    sig = signal.SIGINT if name in ("worker", "ray") else signal.SIGTERM
-    for s in (sig, signal.SIGKILL):
-        try:
-            os.killpg(comp.pid, s)
-        except ProcessLookupError:
-            return
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not _alive(comp.pid):
-                return
-            time.sleep(0.2)
-
-
 def default_gpus() -> int:
     """GPU slots of a local stack without ``--gpus``: the declaration's ``pool.gpus`` (2 in
     ``infra/scheduler.yaml``; ``FLOWRL_POOL_GPUS`` overrides it)."""
@@ -231,17 +284,37 @@ def default_gpus() -> int:
     return load_scheduler().pool.gpus
 
 
+def check_installed() -> None:
+    """Every program the stack runs is installed; else ``MissingComponentError``, one line
+    naming the first missing piece and the command that installs it."""
+    from flowrl.infra.postgres import bin_dir
+    from flowrl.infra.servers import MissingComponentError
+
+    bin_dir()
+    objectstore.weed_binary()
+    for program, package in (("supervisord", "supervisor"), ("mlflow", "mlflow")):
+        if not (BIN / program).exists():
+            raise MissingComponentError(
+                f"the stack's {program} is not installed (the {package} package); install "
+                "flowrl's dependencies with `make setup`"
+            )
+
+
 def stack_up(
     gpus: int | None = None, deploy: bool = True, ray: bool = True, progress: bool = False
 ) -> StackState:
-    """Start every component (idempotent: a running stack is returned as is); ``progress``
-    prints a line to stderr as each one is up, with the seconds it took.
+    """Start the stack (idempotent: on a running stack, start only the components that are
+    not running and return it); ``progress`` prints a line to stderr as each one is up, with
+    the seconds it took. The data of an earlier stack in the same home is used as it is.
 
     ``gpus`` (default ``default_gpus()``) is both the pool's GPU slots and the Ray head's
     ``--num-gpus``: logical GPUs on a machine without any, so a job asking for
     ``resources.gpus=1`` is admitted and its actors, given a logical GPU, run on the CPU."""
+    check_installed()
+    say = _Progress(progress)
     existing = StackState.load(state_file())
-    if existing and existing.running():
+    if existing and existing.running() and existing.supervisor:
+        _start_missing(existing, say)
         _write_pointer(state_file())
         return existing
     if existing:
@@ -250,7 +323,7 @@ def stack_up(
     state = StackState()
     gpus = default_gpus() if gpus is None else gpus
     try:
-        _start_all(state, gpus, deploy, ray, _Progress(progress))
+        _start_all(state, gpus, deploy, ray, say)
     except BaseException:
         _stop_all(state)
         state_file().unlink(missing_ok=True)
@@ -269,58 +342,82 @@ class _Progress:
     def __call__(self, what: str) -> None:
         if self.enabled:
             now = time.monotonic()
-            print(f"  {what:<44} {now - self.last:5.1f} s", file=sys.stderr, flush=True)
+            print(f"  {what:<48} {now - self.last:5.1f} s", file=sys.stderr, flush=True)
             self.last = now
+
+
+def _start_missing(state: StackState, say: _Progress) -> None:
+    """``stack up`` on a running stack: start what supervisord holds stopped or given up on,
+    then wait until every component answers."""
+    sup = state.supervisord()
+    assert sup is not None
+    live = sup.processes()
+    for name in START_ORDER:
+        info = live.get(name)
+        if info is not None and info["statename"] in ("STOPPED", "EXITED", "FATAL"):
+            sup.start(name)
+            say(f"{WHAT[name]} started again")
+    for name in START_ORDER:
+        if name in state.components:
+            url = _health_url(name, state.components[name].url)
+            if url is not None:
+                wait_for_http(url, 180)
+    say("every component answers")
 
 
 def _start_all(state: StackState, gpus: int, deploy: bool, ray: bool, say: _Progress) -> None:
     home = stack_dir()
+    settings = get_settings()
     s3 = {**TEST_CREDENTIALS}
-    port = free_port()
-    moto_url = f"http://{HOST}:{port}"
-    pid = _spawn(
-        "moto", [str(BIN / "moto_server"), "-H", HOST, "-p", str(port)], {}, state, moto_url
-    )
-    wait_for_http(f"{moto_url}/moto-api/", 30)
-    request = urllib.request.Request(f"{moto_url}/{BUCKET}", method="PUT")
-    urllib.request.build_opener(urllib.request.ProxyHandler({})).open(request, timeout=10).close()
-    s3["AWS_ENDPOINT_URL"] = moto_url
-    say(f"S3 (moto) on {moto_url}, bucket {BUCKET}")
+    programs: list[Program] = []
 
-    port = free_port()
-    mlflow_url = f"http://{HOST}:{port}"
-    cmd = [str(BIN / "mlflow"), "server", "--host", HOST, "--port", str(port), "--workers", "1"]
-    cmd += ["--backend-store-uri", f"sqlite:///{home / 'mlflow.db'}"]
-    cmd += ["--artifacts-destination", f"s3://{BUCKET}/mlflow"]
+    pg = Postgres(home / "postgres")
+    pg.ensure_cluster()
+    pg_port = free_port()
+    programs.append(
+        Program(
+            "postgres",
+            pg.command(pg_port),
+            user=pg.user,
+            reach=pg.reach,
+            stop_signal="INT",
+            health=f"tcp://{HOST}:{pg_port}",
+            grace_s=30,
+        )
+    )
+    (home / "s3").mkdir(exist_ok=True)
+    weed, s3_port = objectstore.command(home / "s3", BUCKET, HOST)
+    s3_url = f"http://{HOST}:{s3_port}"
+    programs.append(Program("s3", weed, env=s3, health=f"{s3_url}/healthz", grace_s=30))
+    s3["AWS_ENDPOINT_URL"] = s3_url
+
+    mlflow_port = free_port()
+    mlflow_url = f"http://{HOST}:{mlflow_port}"
+    cmd = [str(BIN / "mlflow"), "server", "--host", HOST, "--port", str(mlflow_port)]
+    cmd += ["--workers", "1", "--artifacts-destination", f"s3://{BUCKET}/mlflow"]
     mlflow_env = {
         **s3,
-        "MLFLOW_S3_ENDPOINT_URL": moto_url,
+        # Read by `mlflow server` from its environment: the password stays off the command line.
+        "MLFLOW_BACKEND_STORE_URI": pg.url(pg_port, "mlflow", "psycopg"),
+        "MLFLOW_S3_ENDPOINT_URL": s3_url,
         "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
     }
-    _spawn("mlflow", cmd, mlflow_env, state, mlflow_url)
+    programs.append(Program("mlflow", cmd, env=mlflow_env, health=f"{mlflow_url}/health"))
 
-    port = free_port()
-    prefect_url = f"http://{HOST}:{port}/api"
+    prefect_port = free_port()
+    prefect_url = f"http://{HOST}:{prefect_port}/api"
     prefect_env = {
         "PREFECT_HOME": str(home / "prefect"),
+        "PREFECT_API_DATABASE_CONNECTION_URL": pg.url(pg_port, "prefect", "asyncpg"),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         # The UI in a browser talks to this server's API, on whatever port it got.
         "PREFECT_SERVER_UI_API_URL": prefect_url,
         "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
         # Expired GPU-slot leases (a killed job's) are reclaimed every 5 s, not every 15 s.
         "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": str(REPOSSESSOR_LOOP_SECONDS),
-        # SQLite takes one writer at a time: a busy job's task runs and logs hold the lock in
-        # turns, and a write that waits past this many seconds answers 503 (Prefect's default:
-        # 10 s). (A write that began as a read fails at once whatever the wait: that needs
-        # fewer writes per step, or Postgres, as in production.)
-        "PREFECT_SERVER_DATABASE_TIMEOUT": str(PREFECT_DATABASE_TIMEOUT_S),
     }
-    cmd = [str(BIN / "prefect"), "server", "start", "--host", HOST, "--port", str(port)]
-    _spawn("prefect", cmd, prefect_env, state, prefect_url)
-    wait_for_http(f"{mlflow_url}/health", 120)
-    say(f"MLflow server on {mlflow_url}")
-    wait_for_http(f"{prefect_url}/health", 180)
-    say(f"Prefect server on {prefect_url}")
+    cmd = [str(BIN / "prefect"), "server", "start", "--host", HOST, "--port", str(prefect_port)]
+    programs.append(Program("prefect", cmd, env=prefect_env, health=f"{prefect_url}/health"))
 
     state.env = {
         **s3,
@@ -328,55 +425,155 @@ def _start_all(state: StackState, gpus: int, deploy: bool, ray: bool, say: _Prog
         "FLOWRL_PREFECT_API_URL": prefect_url,
         "FLOWRL_MLFLOW_TRACKING_URI": mlflow_url,
         "FLOWRL_STORAGE_URL": f"s3://{BUCKET}/storage",
-        "FLOWRL_HOME": str(get_settings().resolved_home),
+        "FLOWRL_HOME": str(settings.resolved_home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "RAY_USAGE_STATS_ENABLED": "0",
+        # Admission matches placement: the pool's GPU slots are the GPUs the Ray head offers,
+        # so a job asking for more is refused at submission instead of waiting forever.
+        "FLOWRL_POOL_GPUS": str(gpus),
     }
-    # Admission matches placement: the pool's GPU slots are the GPUs the Ray head offers, so
-    # a job asking for more is refused at submission instead of waiting forever.
-    state.env["FLOWRL_POOL_GPUS"] = str(gpus)
-    if get_settings().scheduler_file is not None:
-        state.env["FLOWRL_SCHEDULER_FILE"] = str(get_settings().scheduler_file.resolve())
+    if settings.scheduler_file is not None:
+        state.env["FLOWRL_SCHEDULER_FILE"] = str(settings.scheduler_file.resolve())
+    urls = {"postgres": f"{HOST}:{pg_port}", "s3": s3_url, "mlflow": mlflow_url}
+    urls["prefect"] = prefect_url
     if ray:
-        port = free_port()
+        # Ray 2.60's token auth, on: the head and every driver read the stack's own token
+        # (made once, mode 0600, beside the state; not the user's ~/.ray/auth_token).
+        token = home / "ray-auth-token"
+        if not token.exists():
+            token.touch(mode=0o600)
+            token.write_text(secrets.token_hex(32))
+        ray_auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
+        ray_port = free_port()
         # A short temp dir: Ray's unix socket paths must stay under ~107 characters.
         ray_tmp = tempfile.mkdtemp(prefix="flowrl-ray-")
         cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", HOST]
-        cmd += ["--port", str(port), "--num-cpus", str(get_settings().ray_num_cpus)]
+        cmd += ["--port", str(ray_port), "--num-cpus", str(settings.ray_num_cpus)]
         cmd += ["--num-gpus", str(gpus), "--include-dashboard", "false"]
         cmd += ["--disable-usage-stats", "--temp-dir", ray_tmp]
         cmd += ["--system-config", json.dumps({"worker_niceness": RAY_WORKER_NICENESS})]
-        ray_pid = _spawn("ray", cmd, {"RAY_USAGE_STATS_ENABLED": "0"}, state, f"{HOST}:{port}")
-        _wait_tcp(port, 120)
-        yield_cpu_to_workers([ray_pid], get_settings().ray_daemon_niceness)
-        say(f"Ray head on {HOST}:{port} ({gpus} GPUs)")
-        # Ray 2.60 has token auth on by default; drivers joining the head must use it too.
-        state.env |= {"FLOWRL_RAY_ADDRESS": f"{HOST}:{port}", "RAY_AUTH_MODE": "token"}
-    state.save(state_file())
-    _apply_infra(state, deploy)
-    say("work pool, queues, gpu limit" + (", deployments" if deploy else ""))
+        # `ray start --block` stops its processes on SIGINT (it ignores SIGTERM).
+        programs.append(
+            Program(
+                "ray",
+                cmd,
+                env={"RAY_USAGE_STATS_ENABLED": "0", **ray_auth},
+                stop_signal="INT",
+                health=f"tcp://{HOST}:{ray_port}",
+                grace_s=60,
+            )
+        )
+        urls["ray"] = f"{HOST}:{ray_port}"
+        state.env |= {"FLOWRL_RAY_ADDRESS": f"{HOST}:{ray_port}", **ray_auth}
     pool = _pool_name(state)
     cmd = [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"]
     worker_env = {
         **state.env,
         "PREFECT_WORKER_QUERY_SECONDS": str(WORKER_QUERY_SECONDS),
+        # Each flow run says it is alive; one that stops (its process died unreported) is
+        # marked CRASHED by the zombie automation (infra/scheduler.py) and resumed.
+        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_SECONDS),
         # Flow logs reach the Prefect API at INFO (the CLI quiets its own terminal); task-run
         # logs at WARNING.
         "PREFECT_LOGGING_LEVEL": "INFO",
         **TASK_RUN_LOG_LEVEL,
-        "PREFECT_HOME": str(stack_dir() / "worker-home"),
+        "PREFECT_HOME": str(home / "worker-home"),
     }
-    pid = _spawn("worker", cmd, worker_env, state, prefect_url)
+    # SIGINT: the worker finishes its bookkeeping. A restarted worker leaves the flow runs of
+    # the one before it running (they report to the API themselves).
+    programs.append(Program("worker", cmd, env=worker_env, stop_signal="INT", clean_previous=False))
+    urls["worker"] = prefect_url
+    if ray:
+        programs.append(_tinker_program(state, urls))
+    programs.append(_openai_program(state, urls))
+
+    sock = home / "supervisor.sock"
+    if len(str(sock)) > 100:  # a Unix socket's path is limited to ~107 bytes
+        sock = Path(tempfile.mkdtemp(prefix="flowrl-sv-")) / "supervisor.sock"
+    sup = Supervisor(home, sock)
+    sup.write(programs)
+    (home / "supervision.json").unlink(missing_ok=True)  # restarts count from this start
+    # What `flowrl stack env` exported for an earlier stack must not reach this one's programs
+    # (RAY_AUTH_MODE=token, say, makes a new Ray head refuse to make its token).
+    pid = sup.start_daemon(drop_env=(*state.env, "MLFLOW_TRACKING_URI", "MLFLOW_S3_ENDPOINT_URL"))
+    state.supervisor = {"pid": pid, "socket": str(sock), "home": str(home)}
+    for program in programs:
+        log = str(home / f"{program.name}.log")
+        state.components[program.name] = Component(pid=0, url=urls[program.name], log=log)
+    state.save(state_file())
+    say(f"supervisor (supervisord, pid {state.supervisor['pid']})")
+
+    _start(sup, state, "postgres")
+    pg.ensure_databases(pg_port)
+    say(f"PostgreSQL on {HOST}:{pg_port} (data in {pg.data})")
+    _start(sup, state, "s3")
+    say(f"S3 (SeaweedFS) on {s3_url}, bucket {BUCKET}")
+    sup.start("mlflow")
+    sup.start("prefect")
+    _start(sup, state, "mlflow", 180)
+    say(f"MLflow server on {mlflow_url}")
+    _start(sup, state, "prefect", 180)
+    say(f"Prefect server on {prefect_url}")
+    if ray:
+        _start(sup, state, "ray", 120)
+        yield_cpu_to_workers([state.components["ray"].pid], settings.ray_daemon_niceness)
+        say(f"Ray head on {urls['ray']} ({gpus} GPUs)")
+    state.save(state_file())
+    _apply_infra(state, deploy)
+    say("work pool, queues, gpu limit, resume automation" + (", deployments" if deploy else ""))
+    _start(sup, state, "worker")
     time.sleep(1.0)
-    if not _alive(pid):
-        raise RuntimeError(f"the Prefect worker exited at once; see {stack_dir() / 'worker.log'}")
+    if sup.processes()["worker"]["statename"] != "RUNNING":
+        raise RuntimeError(f"the Prefect worker exited at once; see {home / 'worker.log'}")
     say(f"worker on pool {pool}")
     if ray:
-        _start_tinker(state, say)
-    _start_openai(state, say)
+        _start(sup, state, "tinker", 120)
+        say(f"Tinker API on {state.env['TINKER_BASE_URL']}")
+    _start(sup, state, "openai", 120)
+    say(f"OpenAI-compatible endpoint on {state.env['OPENAI_BASE_URL']}")
+    state.save(state_file())
 
 
-def _start_tinker(state: StackState, say: _Progress) -> None:
+def _start(sup: Supervisor, state: StackState, name: str, timeout: float = 60.0) -> None:
+    """Start ``name`` (if it is not already starting) and wait until it answers; its pid goes
+    into the state."""
+    sup.start(name)
+    comp = state.components[name]
+    deadline = time.monotonic() + timeout
+    url = _health_url(name, comp.url)
+    while True:
+        info = sup.processes()[name]
+        if info["statename"] in ("FATAL", "BACKOFF"):
+            raise RuntimeError(f"the {WHAT[name]} did not start; see {comp.log}")
+        if info["statename"] == "RUNNING":
+            comp.pid = int(info["pid"])
+            if url is None and name not in ("postgres", "ray"):
+                return
+            if _answers(name, comp.url, url):
+                return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the {WHAT[name]} did not answer within {timeout:.0f} s; see {comp.log}"
+            )
+        time.sleep(0.2)
+
+
+def _answers(name: str, address: str, url: str | None) -> bool:
+    import socket
+
+    if url is None:  # postgres, ray: their port accepts connections
+        host, _, port = address.rpartition(":")
+        with socket.socket() as sock:
+            sock.settimeout(1.0)
+            return sock.connect_ex((host, int(port))) == 0
+    try:
+        wait_for_http(url, 1.0)
+        return True
+    except TimeoutError:
+        return False
+
+
+def _tinker_program(state: StackState, urls: dict[str, str]) -> Program:
     """The Tinker API (``flowrl serve tinker --placement sessions``): each training model a run
     of the ``tinker-session`` deployment. With ``FLOWRL_TINKER_KEYS`` set, those keys; else
     without keys, on loopback (any ``tml-`` key is accepted, every caller one namespace)."""
@@ -387,14 +584,11 @@ def _start_tinker(state: StackState, say: _Progress) -> None:
     if not os.environ.get("FLOWRL_TINKER_KEYS"):
         cmd.append("--insecure-loopback")
     state.env["TINKER_BASE_URL"] = url
-    pid = _spawn("tinker", cmd, state.env, state, url)
-    wait_for_http(f"{url}/api/v1/healthz", 120)
-    if not _alive(pid):
-        raise RuntimeError(f"the Tinker API exited at once; see {stack_dir() / 'tinker.log'}")
-    say(f"Tinker API on {url}")
+    urls["tinker"] = url
+    return Program("tinker", cmd, env=dict(state.env), health=f"{url}/api/v1/healthz")
 
 
-def _start_openai(state: StackState, say: _Progress) -> None:
+def _openai_program(state: StackState, urls: dict[str, str]) -> Program:
     """The OpenAI-compatible endpoint (``flowrl serve openai``) on the stack's MLflow and
     storage: its registered versions, Tinker checkpoints and base models. With
     ``FLOWRL_OPENAI_KEYS`` set, those keys; else without keys, on loopback. It loads a model on
@@ -405,11 +599,8 @@ def _start_openai(state: StackState, say: _Progress) -> None:
     if not os.environ.get("FLOWRL_OPENAI_KEYS"):
         cmd.append("--insecure-loopback")
     state.env["OPENAI_BASE_URL"] = f"{url}/v1"
-    pid = _spawn("openai", cmd, state.env, state, url)
-    wait_for_http(f"{url}/health", 120)
-    if not _alive(pid):
-        raise RuntimeError(f"the OpenAI endpoint exited at once; see {stack_dir() / 'openai.log'}")
-    say(f"OpenAI-compatible endpoint on {url}/v1")
+    urls["openai"] = url
+    return Program("openai", cmd, env=dict(state.env), health=f"{url}/health")
 
 
 def _child_env(state: StackState) -> dict[str, str]:
@@ -432,14 +623,38 @@ def _pool_name(state: StackState) -> str:
 
 
 def _stop_all(state: StackState) -> None:
-    for name in STOP_ORDER:
-        if name in state.components:
-            stop_component(name, state.components[name])
+    """supervisord stops every component, then itself; anything a component left behind (a
+    stack made before supervision, or a supervisor that was killed) is stopped by PID."""
+    sup = state.supervisord()
+    if sup is not None:
+        sup.shutdown(int(state.supervisor["pid"]))
+    for name in START_ORDER[::-1]:
+        comp = state.components.get(name)
+        if comp is not None and comp.pid:
+            _stop_group(name, comp.pid)
+
+
+def _stop_group(name: str, pid: int, timeout: float = 20.0) -> None:
+    """SIGINT (the worker; the Ray head, which `ray start --block` ignores SIGTERM for) or
+    SIGTERM to the component's process group; SIGKILL if it lingers."""
+    import signal
+
+    sig = signal.SIGINT if name in ("worker", "ray", "postgres") else signal.SIGTERM
+    for s in (sig, signal.SIGKILL):
+        try:
+            os.killpg(pid, s)
+        except (ProcessLookupError, PermissionError):
+            return
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not _alive(pid):
+                return
+            time.sleep(0.2)
 
 
 def stack_down(path: Path | None = None) -> list[str]:
     """Stop what the state file lists (default: the one under ``FLOWRL_HOME``), worker first;
-    remove the state file and the pointer to it."""
+    remove the state file and the pointer to it. The data (database, S3) stays."""
     path = path or state_file()
     state = StackState.load(path)
     if state is None:

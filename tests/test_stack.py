@@ -1,5 +1,7 @@
-"""The local stack for real (moto S3, MLflow server, Prefect server + process worker, Ray head)
-and the scheduler under load, judged by Prefect's own flow-run state history.
+"""The local stack for real (PostgreSQL, S3 on disk, MLflow server, Prefect server + process
+worker, Ray head, all under supervisord) and the scheduler under load, judged by Prefect's own
+flow-run state history; then the stack under faults: components SIGKILLed and restarted, a job's
+process SIGKILLed and resumed by itself, ``stack down`` / ``stack up`` losing nothing.
 
 Load test: 12 probe jobs submitted at once to queues `lo` (limit 1, priority 2; submitted
 first) and `hi` (limit 2, priority 1), pool limit 2, 2 GPU slots, jobs holding 1 or 2 slots.
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -32,7 +35,9 @@ def probe_deployment(local_stack):
     return PROBE
 
 
-def _deploy(local_stack, source: str, entrypoint: str, name: str) -> None:
+def _deploy(
+    local_stack, source: str, entrypoint: str, name: str, tags: list[str] | None = None
+) -> None:
     """Deploy the flow at ``entrypoint`` of ``source`` (a folder) as ``name`` on the test
     pool's queue hi."""
     from prefect.flows import Flow
@@ -50,6 +55,7 @@ def _deploy(local_stack, source: str, entrypoint: str, name: str) -> None:
             name,
             work_pool_name=pool,
             work_queue_name="hi",
+            tags=tags,
             build=False,
             push=False,
             print_next_steps=False,
@@ -571,8 +577,13 @@ def _lines(run_id: str) -> list[str]:
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
     only = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[UUID(run_id)]))
+    lines: list[str] = []
     with get_client(sync_client=True) as c:
-        return [g.message for g in c.read_logs(log_filter=only, limit=200)]
+        while True:  # the API answers 200 lines at most a call
+            page = c.read_logs(log_filter=only, limit=200, offset=len(lines))
+            lines += [g.message for g in page]
+            if len(page) < 200:
+                return lines
 
 
 def _line(run_id: str, wanted: str, timeout_s: float) -> str:
@@ -660,12 +671,238 @@ def test_shared_worker_tenants_across_flow_runs(stack_env):
         assert c.read_global_concurrency_limit_by_name(limit).active_slots == 0
 
 
-def test_stack_down_stops_every_process(local_stack, monkeypatch):
+# ---------------------------------------------------------------- the stack under faults
+
+RESUME_JOB = "resume-me"
+RESUME_STEPS = 40
+OUTAGE_STEPS = 150
+OUTAGE_S = 60.0
+
+
+def _infra_pid(run_id: str) -> int:
+    from uuid import UUID
+
+    from prefect import get_client
+
+    with get_client(sync_client=True) as c:
+        return int(str(c.read_flow_run(UUID(run_id)).infrastructure_pid).rsplit(":", 1)[-1])
+
+
+def _small_rl_job(name: str, steps: int) -> dict:
+    """A few dozen quick steps of the tiny model, a checkpoint every 10 (no warm-up: what is
+    learnt is not the point here)."""
+    return {
+        "name": name,
+        "warmup": {"enabled": False},
+        "rollout": {"prompts_per_step": 8, "group_size": 4},
+        "schedule": {"steps": steps, "eval_every": 1000, "checkpoint_every": 10},
+    }
+
+
+def _wait_for(what: str, check, timeout_s: float, poll: float = 1.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = check()
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s:.0f} s"
+        time.sleep(poll)
+
+
+def test_a_killed_job_resumes_from_its_checkpoint_by_itself(stack_env):
+    """SIGKILL of a running rl-train job's process, with no command typed after it: the resume
+    automation schedules the same flow run again, it is RUNNING again within 2 minutes,
+    resumes from its last checkpoint and completes; its MLflow run is one run with each step's
+    metrics once."""
+    import s3fs
+
+    from flowrl.infra import tracking
+    from flowrl.infra.scheduler import RESUME_TAG
+
+    _deploy(stack_env, str(REPO), "flowrl.flows.rl.rl_train", "rl-train-resume", [RESUME_TAG])
+    jobs = JobClient()
+    run_id = jobs.submit("rl-train/rl-train-resume", {"config": _small_rl_job(RESUME_JOB, 40)})
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    latest = f"flowrl/storage/jobs/{RESUME_JOB}/checkpoints/LATEST.json"
+    _wait_for("a first checkpoint", lambda: fs.exists(latest), 300)
+    os.kill(_infra_pid(run_id), signal.SIGKILL)
+    killed = time.monotonic()
+    _wait_for("CRASHED", lambda: "CRASHED" in _history(run_id), 60)
+
+    def again() -> bool:
+        status = jobs.status(run_id)
+        return status.state == "RUNNING" and status.attempts == 2
+
+    _wait_for("RUNNING again", again, 120)
+    back = time.monotonic() - killed
+    print(f"\nthe SIGKILLed job was RUNNING again {back:.0f} s after the kill")
+    final = jobs.wait(run_id, timeout=600)
+    assert final.state == "COMPLETED", final
+    history = _history(run_id)
+    assert len(history["CRASHED"]) == 1 and len(history["RUNNING"]) == 2, history
+    assert _line(run_id, "attempt 2 of 3: resuming after a crash", 10)
+    result = jobs.result(run_id)
+    assert result["steps"] == RESUME_STEPS and result["resumed_from"] >= 10, result
+    client = tracking.client()
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        filter_string=f"tags.`flowrl.job` = '{RESUME_JOB}'",
+    )
+    assert [r.info.run_id for r in runs] == [result["mlflow_run_id"]]  # one run, carried on
+    steps = [m.step for m in client.get_metric_history(runs[0].info.run_id, "reward/mean")]
+    assert sorted(steps) == list(range(1, RESUME_STEPS + 1)), steps  # each step once
+
+
+def test_a_job_trains_through_an_mlflow_outage(stack_env):
+    """MLflow stopped while a job trains: the job's steps go on (its records wait on disk), it
+    waits for MLflow only to register, and it completes once MLflow is back: one MLflow run,
+    every step's metrics once, in step order."""
+    from flowrl.infra import tracking
+
+    sup = stack_env.supervisord()
+    jobs = JobClient()
+    config = _small_rl_job("through-outage", OUTAGE_STEPS)
+    run_id = jobs.submit("rl-train/rl-train-resume", {"config": config})
+    _line(run_id, "RL: steps", 300)
+    sup.rpc().stopProcess("mlflow", True)  # stopped by the supervisor: no restart until started
+    stopped = time.monotonic()
+    try:
+        assert _line(run_id, "tracking server unreachable", 120)
+        done = _line(run_id, "RL: done", 300)  # every step trained while MLflow was down
+        assert "waiting for MLflow to take" in "\n".join(_lines(run_id))
+        time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - stopped)))
+        assert jobs.status(run_id).state == "RUNNING"  # waiting for MLflow, not failed
+    finally:
+        sup.start("mlflow")
+    print(f"\nMLflow down {time.monotonic() - stopped:.0f} s; the job's {done!r} came meanwhile")
+    final = jobs.wait(run_id, timeout=600)
+    assert final.state == "COMPLETED", final
+    assert _line(run_id, "tracking server back after", 10)
+    result = jobs.result(run_id)
+    client = tracking.client()
+    runs = client.search_runs(
+        [e.experiment_id for e in client.search_experiments()],
+        filter_string="tags.`flowrl.job` = 'through-outage'",
+    )
+    assert [r.info.run_id for r in runs] == [result["mlflow_run_id"]]
+    history = client.get_metric_history(runs[0].info.run_id, "reward/mean")
+    assert sorted(m.step for m in history) == list(range(1, OUTAGE_STEPS + 1))  # each once
+    ordered = sorted(history, key=lambda m: (m.timestamp, m.step))
+    assert [m.step for m in ordered] == sorted(m.step for m in history)  # in step order
+
+
+def _status(local_stack) -> dict[str, dict]:
     from flowrl.infra import stack
 
-    monkeypatch.setenv("FLOWRL_HOME", local_stack.env["FLOWRL_HOME"])
+    return stack.component_status(local_stack)
+
+
+def _restarted(local_stack, name: str, before: int) -> dict | None:
+    entry = _status(local_stack)[name]
+    return entry if entry["restarts"] > before and entry["state"] == "RUNNING" else None
+
+
+def _kill_and_wait(local_stack, name: str, pid: int | None = None, timeout_s: float = 180) -> dict:
+    """SIGKILL ``name``'s process (or ``pid``, one of its children) and wait until supervisord
+    has it RUNNING again and it answers on its own address."""
+    from flowrl.infra import stack
+
+    before = _status(local_stack)[name]
+    os.kill(pid or before["pid"], signal.SIGKILL)
+    began = time.monotonic()
+    entry = _wait_for(
+        f"{name} restarted", lambda: _restarted(local_stack, name, before["restarts"]), timeout_s
+    )
+    stack.check_component(local_stack, name, timeout=timeout_s)
+    print(f"\n{name}: back {time.monotonic() - began:.1f} s after SIGKILL ({entry['last_reason']})")
+    assert entry["url"] == before["url"]  # the same address
+    return entry
+
+
+def test_components_killed_come_back_with_their_data(stack_env, tmp_path):
+    """supervisord restarts each component SIGKILLed, on its address, with its data: S3, MLflow,
+    PostgreSQL (under Prefect's and MLflow's servers), the Prefect server; the Ray head after
+    its GCS dies, and a job submitted then completes. ``stack status`` says so."""
+    import mlflow
+    import s3fs
+
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.pipe("flowrl/faults/before.txt", b"kept")
+    mlflow.set_tracking_uri(stack_env.env["FLOWRL_MLFLOW_TRACKING_URI"])
+    client = mlflow.MlflowClient()
+    experiment = client.create_experiment(f"faults-{time.time_ns()}")
+    run = client.create_run(experiment)
+    client.log_metric(run.info.run_id, "m", 1.0, step=1)
+
+    assert "SIGKILL" in _kill_and_wait(stack_env, "s3")["last_reason"]
+    assert s3fs.S3FileSystem(skip_instance_cache=True).cat("flowrl/faults/before.txt") == b"kept"
+    _kill_and_wait(stack_env, "mlflow")
+    assert client.get_metric_history(run.info.run_id, "m")[0].value == 1.0
+    _kill_and_wait(stack_env, "postgres")
+    _kill_and_wait(stack_env, "prefect")
+    assert client.get_run(run.info.run_id).info.run_id == run.info.run_id  # MLflow's database
+    assert JobClient().list(limit=1)  # Prefect's database, through its restarted server
+    gcs = subprocess.run(
+        ["pgrep", "-f", "gcs_server", "-g", str(_status(stack_env)["ray"]["pid"])],
+        capture_output=True,
+        text=True,
+    ).stdout.split()
+    assert gcs, "no gcs_server in the Ray head's process group"
+    _kill_and_wait(stack_env, "ray", pid=int(gcs[0]))
+    out = _flowrl("stack", "status", cwd=tmp_path, env=_client_env())
+    assert out.returncode == 0, out.stdout + out.stderr  # everything RUNNING again
+    for name in ("s3", "mlflow", "postgres", "prefect", "ray"):
+        line = next(x for x in out.stdout.splitlines() if x.startswith(name + " "))
+        assert line.split()[3] == "1", line  # one restart each, in the restarts column
+    jobs = JobClient()
+    run_id = jobs.submit("rl-train/rl-train-resume", {"config": _small_rl_job("after-ray", 3)})
+    assert jobs.wait(run_id, timeout=300).state == "COMPLETED"
+
+
+def test_stack_down_then_up_loses_nothing(local_stack, monkeypatch, tmp_path):
+    """``stack down`` stops every process (the supervisor, then each component); ``stack up``
+    in the same home brings back every earlier job's checkpoints, its registered version (whose
+    artifacts load in transformers), the Prefect runs and MLflow runs, on PostgreSQL; no log
+    of the whole module's run has a "database is locked"."""
+    import s3fs
+    from transformers import AutoModelForCausalLM
+
+    from flowrl.backends.model_uri import resolve_model_uri
+    from flowrl.infra import stack, tracking
+    from flowrl.infra.storage import Storage, load_latest_checkpoint
+
+    home = Path(local_stack.env["FLOWRL_HOME"])
+    logs = list((home / "stack").glob("*.log"))
+    assert logs and not [p.name for p in logs if "database is locked" in p.read_text()]
+    monkeypatch.setenv("FLOWRL_HOME", str(home))
+    monkeypatch.setenv("FLOWRL_SCHEDULER_FILE", local_stack.env["FLOWRL_SCHEDULER_FILE"])
+    for key in ("PREFECT_API_URL", "FLOWRL_PREFECT_API_URL"):
+        monkeypatch.delenv(key, raising=False)
+    pids = [int(local_stack.supervisor["pid"])]
+    pids += [e["pid"] for e in stack.component_status(local_stack).values()]
     assert stack.stack_down() == list(stack.STOP_ORDER)
-    for comp in local_stack.components.values():
-        assert not stack._alive(comp.pid)
+    for pid in pids:
+        assert not stack._alive(pid), pid
     assert not stack.state_file().exists()
     assert stack.read_pointer() != stack.state_file()  # no pointer left to the stopped stack
+
+    again = stack.stack_up(gpus=2, deploy=False, ray=False)
+    try:
+        for key, value in again.env.items():
+            monkeypatch.setenv(key, value)
+        storage = Storage(again.env["FLOWRL_STORAGE_URL"])
+        step, files, _ = load_latest_checkpoint(storage, f"jobs/{RESUME_JOB}/checkpoints")
+        assert step == RESUME_STEPS and files  # the resumed job's last checkpoint, intact
+        assert s3fs.S3FileSystem(skip_instance_cache=True).cat("flowrl/faults/before.txt")
+        version = tracking.download_model(f"models:/{RESUME_JOB}/1")
+        assert (Path(version) / "MLmodel").exists()  # an MLflow Model, as registered
+        folder = resolve_model_uri(f"models:/{RESUME_JOB}/1", str(tmp_path))
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        assert model.num_parameters() > 0  # the registered version's artifacts load
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings(updates={PREFECT_API_URL: again.env["PREFECT_API_URL"]}):
+            names = {j.name for j in JobClient().list(limit=200)}
+        assert RESUME_JOB in names  # Prefect's runs, from its database
+    finally:
+        stack.stack_down()

@@ -87,7 +87,9 @@ def _stop_stack(env: dict[str, str]) -> None:
     state_file = Path(env["FLOWRL_HOME"]) / "stack" / "state.json"
     pids = []
     if state_file.exists():
-        pids = [c["pid"] for c in json.loads(state_file.read_text())["components"].values()]
+        state = json.loads(state_file.read_text())
+        pids = [c["pid"] for c in state["components"].values() if c["pid"]]
+        pids += [state["supervisor"]["pid"]] if state.get("supervisor") else []
     subprocess.run(
         [sys.executable, "-m", "flowrl", "stack", "down"], env=env, cwd=REPO, timeout=180
     )
@@ -290,7 +292,12 @@ def ui_run(browser, ui_stack) -> UIRun:
         page.get_by_role("menuitem", name="Custom run").click()
         steps = page.get_by_label("Steps (Optional)", exact=True)
         wait_for(page, steps)
-        page.get_by_label("Name (Optional)", exact=True).first.fill(JOB)
+        # The job's name, not the environment's (on PostgreSQL, Prefect keeps the form's schema
+        # as JSONB, whose objects come back in key-length order: `env` before `name`).
+        env_name = schema_field(page, "Env", "Name").get_attribute("id")
+        names = page.get_by_label("Name (Optional)", exact=True)
+        ids = [names.nth(i).get_attribute("id") for i in range(names.count())]
+        names.nth(next(i for i, x in enumerate(ids) if x != env_name)).fill(JOB)
         schema_field(page, "Rollout", "Prompts Per Step").fill("16")
         steps.fill(str(STEPS))
         screenshot(page, "prefect-custom-run", page.get_by_text("Schedule (Optional)", exact=True))
