@@ -292,12 +292,14 @@ def ui_run(browser, ui_stack) -> UIRun:
         page.get_by_role("menuitem", name="Custom run").click()
         steps = page.get_by_label("Steps (Optional)", exact=True)
         wait_for(page, steps)
-        # The job's name, not the environment's (on PostgreSQL, Prefect keeps the form's schema
-        # as JSONB, whose objects come back in key-length order: `env` before `name`).
-        env_name = schema_field(page, "Env", "Name").get_attribute("id")
+        # The job's name, not the environment's: the one nested least deeply (on PostgreSQL,
+        # Prefect keeps the form's schema as JSONB, whose objects come back in key-length
+        # order, so `env` and its name come before the job's own).
         names = page.get_by_label("Name (Optional)", exact=True)
-        ids = [names.nth(i).get_attribute("id") for i in range(names.count())]
-        names.nth(next(i for i, x in enumerate(ids) if x != env_name)).fill(JOB)
+        names.first.wait_for()
+        depth = "e => { let d = 0; for (; e; e = e.parentElement) d++; return d; }"
+        depths = [names.nth(i).evaluate(depth) for i in range(names.count())]
+        names.nth(depths.index(min(depths))).fill(JOB)
         schema_field(page, "Rollout", "Prompts Per Step").fill("16")
         steps.fill(str(STEPS))
         screenshot(page, "prefect-custom-run", page.get_by_text("Schedule (Optional)", exact=True))
