@@ -195,8 +195,10 @@ async def _apply_zombie_automation(client: Any) -> str:
     from prefect.events.actions import ChangeFlowRunState
     from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
 
-    for existing in await client.read_automations_by_name(ZOMBIE_AUTOMATION):
-        await client.delete_automation(existing.id)
+    existing = await client.read_automations_by_name(ZOMBIE_AUTOMATION)
+    for old in existing:
+        await client.delete_automation(old.id)
+    verb = "updated" if existing else "created"
     ends = ("heartbeat", "Completed", "Failed", "Cancelled", "Crashed")
     trigger = EventTrigger(
         after={"prefect.flow-run.heartbeat"},
@@ -218,7 +220,7 @@ async def _apply_zombie_automation(client: Any) -> str:
         actions=[action],
     )
     await client.create_automation(automation)
-    return f"automation {ZOMBIE_AUTOMATION!r}: set ({ZOMBIE_AFTER_SECONDS} s)"
+    return f"automation {ZOMBIE_AUTOMATION!r}: {verb} ({ZOMBIE_AFTER_SECONDS} s)"
 
 
 async def _apply_resume_automation(client: Any, max_attempts: int) -> str:
@@ -235,10 +237,13 @@ async def _apply_resume_automation(client: Any, max_attempts: int) -> str:
     from prefect.events.actions import ChangeFlowRunState
     from prefect.events.schemas.automations import AutomationCore, EventTrigger, Posture
 
-    for existing in await client.read_automations_by_name(RESUME_AUTOMATION):
-        await client.delete_automation(existing.id)
+    existing = await client.read_automations_by_name(RESUME_AUTOMATION)
+    for old in existing:
+        await client.delete_automation(old.id)
+    verb = "updated" if existing else "created"
     if max_attempts <= 1:
-        return f"automation {RESUME_AUTOMATION!r}: none (max_attempts 1)"
+        done = "removed" if existing else "none"
+        return f"automation {RESUME_AUTOMATION!r}: {done} (max_attempts 1)"
     trigger = EventTrigger(
         # Fires RESUME_DELAY_SECONDS after the Crashed event (if the run has not started again
         # meanwhile): Prefect's process worker may report one death twice, seconds apart, and
@@ -273,7 +278,7 @@ async def _apply_resume_automation(client: Any, max_attempts: int) -> str:
         actions=[action],
     )
     await client.create_automation(automation)
-    return f"automation {RESUME_AUTOMATION!r}: set (up to {max_attempts} attempts)"
+    return f"automation {RESUME_AUTOMATION!r}: {verb} (up to {max_attempts} attempts)"
 
 
 def gpu_slots_total(limit_name: str) -> int | None:

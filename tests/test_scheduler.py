@@ -71,11 +71,17 @@ def test_a_job_larger_than_the_pool_is_refused_with_the_numbers():
 
 
 async def _forget_scheduler(spec) -> None:
-    """Remove the declaration's pool (with its queues) and gpu limit from the API, if there."""
+    """Remove the declaration's pool (with its queues), gpu limit and automations from the API,
+    if there."""
     from prefect import get_client
     from prefect.exceptions import ObjectNotFound
 
+    from flowrl.infra.scheduler import RESUME_AUTOMATION, ZOMBIE_AUTOMATION
+
     async with get_client() as c:
+        for name in (RESUME_AUTOMATION, ZOMBIE_AUTOMATION):
+            for automation in await c.read_automations_by_name(name):
+                await c.delete_automation(automation.id)
         for delete, name in (
             (c.delete_work_pool, spec.pool.name),
             (c.delete_global_concurrency_limit_by_name, spec.gpu_limit),
