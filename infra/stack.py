@@ -42,7 +42,8 @@ from flowrl.infra.postgres import Postgres
 from flowrl.infra.scheduler import HEARTBEAT_SECONDS
 from flowrl.infra.servers import TEST_CREDENTIALS, free_port, wait_for_http
 from flowrl.infra.settings import get_settings
-from flowrl.infra.supervise import Program, Supervisor, read_record
+from flowrl.infra.supervise import Program, Supervisor, healthy, read_record
+from flowrl.infra.supervise import alive as _alive
 
 HOST = "127.0.0.1"
 BUCKET = "flowrl"
@@ -262,18 +263,6 @@ def _health_url(name: str, url: str) -> str | None:
     if name in paths:
         return url.rstrip("/") + paths[name]
     return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)  # reap it if it is our own exited child
-    except ChildProcessError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def default_gpus() -> int:
@@ -549,28 +538,13 @@ def _start(sup: Supervisor, state: StackState, name: str, timeout: float = 60.0)
             comp.pid = int(info["pid"])
             if url is None and name not in ("postgres", "ray"):
                 return
-            if _answers(name, comp.url, url):
+            if healthy(url or f"tcp://{comp.url}"):  # postgres, ray: their port
                 return
         if time.monotonic() > deadline:
             raise TimeoutError(
                 f"the {WHAT[name]} did not answer within {timeout:.0f} s; see {comp.log}"
             )
         time.sleep(0.2)
-
-
-def _answers(name: str, address: str, url: str | None) -> bool:
-    import socket
-
-    if url is None:  # postgres, ray: their port accepts connections
-        host, _, port = address.rpartition(":")
-        with socket.socket() as sock:
-            sock.settimeout(1.0)
-            return sock.connect_ex((host, int(port))) == 0
-    try:
-        wait_for_http(url, 1.0)
-        return True
-    except TimeoutError:
-        return False
 
 
 def _tinker_program(state: StackState, urls: dict[str, str]) -> Program:

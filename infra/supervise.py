@@ -214,9 +214,9 @@ class Supervisor:
         except ProcessLookupError:
             return
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and _alive(pid):
+        while time.monotonic() < deadline and alive(pid):
             time.sleep(0.2)
-        if _alive(pid):
+        if alive(pid):
             os.killpg(pid, signal.SIGKILL)
 
 
@@ -228,7 +228,8 @@ def read_record(home: Path) -> dict[str, dict]:
         return {}
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """The process ``pid`` exists (reaped first if it is this process's exited child)."""
     try:
         os.waitpid(pid, os.WNOHANG)
     except ChildProcessError:
@@ -356,7 +357,7 @@ class _Watch:
             for name, (_, since) in self.running.items()
             if self.programs[name].health and now - since >= self.programs[name].grace_s
         }
-        answers = dict(zip(due, self.pool.map(_healthy, due.values()), strict=True))
+        answers = dict(zip(due, self.pool.map(healthy, due.values()), strict=True))
         for name, ok in answers.items():
             if ok:
                 self.failing.pop(name, None)
@@ -372,7 +373,9 @@ class _Watch:
                     pass
 
 
-def _healthy(target: str) -> bool:
+def healthy(target: str) -> bool:
+    """``target`` answers: ``tcp://host:port`` accepts a connection, an ``http://`` URL gives any
+    HTTP answer (an error status included)."""
     if target.startswith("tcp://"):
         host, _, port = target.removeprefix("tcp://").rpartition(":")
         try:
