@@ -306,7 +306,9 @@ class JobRun:
         # One outbox per MLflow run: a resumed attempt on this machine first delivers what the
         # one before it could not.
         folder = get_settings().resolved_home / "outbox" / run_id
-        self._outbox = Outbox(folder, tracking.MlflowDelivery(run_id), say=_thread_safe_say())
+        self._outbox = Outbox(
+            folder, tracking.MlflowDelivery(run_id), say=_thread_safe_say(), probe=tracking.reachable
+        )
         return run_id
 
     def _stop_workers(self) -> None:

@@ -7,7 +7,9 @@ the order they were put, several at once where it can. A record is delivered whe
 returns; the count delivered is written to ``<folder>/sent.json`` (atomically) after each
 delivery. While ``deliver`` raises a ``Retryable`` error (the server does not answer) the
 sender waits and tries again, for as long as it takes, and says so every minute; any other
-error is kept and raised by ``drain``.
+error is kept and raised by ``drain``. A client may retry inside ``deliver`` for minutes before
+it raises (MLflow's does): given a ``probe`` (does the server answer?), the sender says the
+server is unreachable as soon as a delivery has hung ``stall_s`` seconds and the probe fails.
 
 A process that dies leaves its folder: the next ``Outbox`` on it (the job's next attempt)
 delivers what was not yet, first. A record delivered just before a crash, whose count was not
@@ -31,6 +33,7 @@ SENT = "sent.json"
 MAX_BATCH = 200
 BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0)
 SAY_EVERY_S = 60.0
+STALL_S = 10.0
 
 logger = logging.getLogger("flowrl.outbox")
 
@@ -46,12 +49,16 @@ class Outbox:
         deliver: Callable[[list[dict[str, Any]]], None],
         say: Callable[[str], None] | None = None,
         backoff_s: tuple[float, ...] = BACKOFF_S,
+        probe: Callable[[], bool] | None = None,
+        stall_s: float = STALL_S,
     ):
         self.folder = folder
         self.folder.mkdir(parents=True, exist_ok=True)
         self._deliver = deliver
         self._say = say or logger.warning
         self._backoff = backoff_s
+        self._probe = probe
+        self._stall_s = stall_s
         self._lock = threading.Condition()
         self._records = self._read_records()
         self._sent = min(self._read_sent(), len(self._records))
@@ -116,7 +123,8 @@ class Outbox:
                     return
                 batch = self._records[self._sent : self._sent + MAX_BATCH]
             try:
-                self._deliver(batch)
+                if not self._deliver_watched(batch):
+                    return  # closed while a delivery hung: its records stay for the next Outbox
             except Retryable as err:
                 self._note_outage(err)
                 delay = self._backoff[min(failures, len(self._backoff) - 1)]
@@ -138,6 +146,37 @@ class Outbox:
                 self._sent += len(batch)
                 self._write_sent(self._sent)
                 self._lock.notify_all()
+
+    def _deliver_watched(self, batch: list[dict[str, Any]]) -> bool:
+        """``deliver(batch)``; with a probe, in a helper thread watched every ``stall_s``: while
+        it hangs and the server does not answer, the outage is said. False if closed meanwhile."""
+        if self._probe is None:
+            self._deliver(batch)
+            return True
+        outcome: list[BaseException | None] = []
+
+        def call() -> None:
+            try:
+                self._deliver(batch)
+                outcome.append(None)
+            except BaseException as err:  # noqa: BLE001 - re-raised in the sender
+                outcome.append(err)
+
+        helper = threading.Thread(target=call, name="outbox-delivery", daemon=True)
+        began = time.monotonic()
+        helper.start()
+        while True:
+            helper.join(timeout=self._stall_s)
+            if not helper.is_alive():
+                break
+            with self._lock:
+                if self._closed:
+                    return False
+            if not self._probe():
+                self._note_outage(Retryable(f"a delivery hung {time.monotonic() - began:.0f} s"))
+        if outcome[0] is not None:
+            raise outcome[0]
+        return True
 
     def _note_outage(self, err: BaseException) -> None:
         now = time.monotonic()

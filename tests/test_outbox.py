@@ -57,6 +57,30 @@ def test_an_outage_delays_delivery_and_loses_nothing(tmp_path: Path):
     assert said[-1].startswith("tracking server back after")
 
 
+def test_a_delivery_that_hangs_while_the_server_is_down_is_said_at_once(tmp_path: Path):
+    """A client that retries inside ``deliver`` for minutes (MLflow's does) does not hide the
+    outage: once a delivery hung ``stall_s`` and the probe gets no answer, the job is told."""
+    said: list[str] = []
+    up = threading.Event()
+
+    def slow_client(records: list[dict]) -> None:
+        up.wait(timeout=30)  # its own retries, until the server is back
+
+    box = Outbox(
+        tmp_path, slow_client, say=said.append, probe=up.is_set, stall_s=0.1, backoff_s=NO_WAIT
+    )
+    box.put({"n": 0})
+    deadline = time.monotonic() + 10
+    while not said and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert said and said[0].startswith("tracking server unreachable (a delivery hung 0 s)")
+    assert box.pending == 1
+    up.set()
+    assert box.drain(timeout=10)
+    box.close()
+    assert said[-1].startswith("tracking server back after")
+
+
 def test_what_a_dead_process_left_is_delivered_first_by_the_next(tmp_path: Path):
     down = FlakyServer(down=10**9)  # never up while the first process lives
     first = Outbox(tmp_path, down, backoff_s=NO_WAIT)
