@@ -290,9 +290,17 @@ def tables(state, home, jobs, finals, recovery, traffic, tinker_rc, up_s) -> str
         prefix = f"ns/{ns}/jobs/{name}" if ns else f"jobs/{name}"
         ckpt, steps, loads = "-", "-", "-"
         if "rl-" in name or "selfplay" in name:
+            # A self-play job checkpoints each agent under its own prefix (agent-<name>/).
+            agents = [
+                f"{prefix}/{entry.rstrip('/').rsplit('/', 1)[-1]}/checkpoints"
+                for entry in (storage.list(prefix) if storage.exists(prefix) else [])
+                if entry.rstrip("/").rsplit("/", 1)[-1].startswith("agent-")
+            ]
             try:
-                found = load_latest_checkpoint(storage, f"{prefix}/checkpoints")
-                ckpt = "yes" if found else "none"
+                found = [
+                    load_latest_checkpoint(storage, p) for p in agents or [f"{prefix}/checkpoints"]
+                ]
+                ckpt = "yes" if all(found) else "none"
             except Exception as err:  # noqa: BLE001 - reported
                 ckpt = f"NO ({type(err).__name__})"
         result = (

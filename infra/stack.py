@@ -51,7 +51,17 @@ BIN = Path(sys.executable).parent
 REPOSSESSOR_LOOP_SECONDS = 5
 WORKER_QUERY_SECONDS = 1  # Prefect's default of 10 s would dominate submission -> start
 MLFLOW_UI_PAGE = "#/experiments?workflowType=machine_learning"
-START_ORDER = ("postgres", "s3", "mlflow", "prefect", "ray", "worker", "tinker", "openai")
+START_ORDER = (
+    "postgres",
+    "s3",
+    "mlflow",
+    "prefect",
+    "ray",
+    "worker",
+    "resumer",
+    "tinker",
+    "openai",
+)
 STOP_ORDER = tuple(reversed(START_ORDER))
 POINTER_NAME = "stack.json"
 # Flow runs started by the stack's worker send no task-run INFO lines to the API (one "Finished
@@ -66,6 +76,7 @@ WHAT = {
     "prefect": "Prefect server",
     "ray": "Ray head",
     "worker": "Prefect worker",
+    "resumer": "job resumer",
     "tinker": "Tinker API",
     "openai": "OpenAI-compatible endpoint",
 }
@@ -472,6 +483,8 @@ def _start_all(state: StackState, gpus: int, deploy: bool, ray: bool, say: _Prog
     # the one before it running (they report to the API themselves).
     programs.append(Program("worker", cmd, env=worker_env, stop_signal="INT", clean_previous=False))
     urls["worker"] = prefect_url
+    programs.append(_resumer_program(prefect_url))
+    urls["resumer"] = prefect_url
     if ray:
         programs.append(_tinker_program(state, urls))
     programs.append(_openai_program(state, urls))
@@ -515,6 +528,7 @@ def _start_all(state: StackState, gpus: int, deploy: bool, ray: bool, say: _Prog
     if sup.processes()["worker"]["statename"] != "RUNNING":
         raise RuntimeError(f"the Prefect worker exited at once; see {home / 'worker.log'}")
     say(f"worker on pool {pool}")
+    _start(sup, state, "resumer")
     if ray:
         _start(sup, state, "tinker", 120)
         say(f"Tinker API on {state.env['TINKER_BASE_URL']}")
@@ -545,6 +559,15 @@ def _start(sup: Supervisor, state: StackState, name: str, timeout: float = 60.0)
                 f"the {WHAT[name]} did not answer within {timeout:.0f} s; see {comp.log}"
             )
         time.sleep(0.2)
+
+
+def _resumer_program(prefect_url: str) -> Program:
+    """``infra/resumer.py``: the crashed jobs that the resume automation missed."""
+    from flowrl.infra.scheduler import RESUME_TAG, load_scheduler
+
+    cmd = [sys.executable, "-m", "flowrl.infra.resumer", "--api", prefect_url]
+    cmd += ["--tag", RESUME_TAG, "--max-attempts", str(load_scheduler().max_attempts)]
+    return Program("resumer", cmd)
 
 
 def _tinker_program(state: StackState, urls: dict[str, str]) -> Program:

@@ -753,6 +753,53 @@ def test_a_killed_job_resumes_from_its_checkpoint_by_itself(stack_env):
     assert sorted(steps) == list(range(1, RESUME_STEPS + 1)), steps  # each step once
 
 
+def test_the_resumer_catches_what_the_automation_missed(stack_env):
+    """The stack's resumer (``infra/resumer.py``), on the stack's Prefect API: a run RUNNING
+    whose process is gone is marked CRASHED (on the second look, not the first); a run CRASHED
+    for longer than the automation's window is scheduled again, under the attempt cap only.
+    (A run of no deployment and a tag of its own: no worker and no automation touch it.)"""
+    from datetime import UTC, datetime, timedelta
+
+    import httpx
+    from prefect import flow, get_client
+    from prefect.states import Running
+
+    from flowrl.infra import resumer
+
+    assert _status(stack_env)["resumer"]["state"] == "RUNNING"  # a component of the stack
+
+    @flow(name="resumer-probe")
+    def probe() -> None: ...
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that names no process now
+    tag = "flowrl-test-resumer"
+    with get_client(sync_client=True) as c:
+        run = c.create_flow_run(probe, name="resumer-probe", tags=[tag], state=Running())
+        c.update_flow_run(run.id, infrastructure_pid=str(gone.pid))
+
+    def state_of() -> tuple[str, str, str]:
+        with get_client(sync_client=True) as c:
+            state = c.read_flow_run(run.id).state
+        return state.type.value, state.name, state.message or ""
+
+    with httpx.Client(base_url=stack_env.env["PREFECT_API_URL"], trust_env=False) as api:
+        patient = resumer.Resumer(api, tag, max_attempts=3)
+        assert patient.one_pass() == []  # gone at a first look: maybe a race, look again
+        assert patient.one_pass() == ["resumer-probe: RUNNING with its process gone -> CRASHED"]
+        kind, _, message = state_of()
+        assert kind == "CRASHED" and f"pid {gone.pid}" in message, message
+        assert patient.one_pass() == []  # within the automation's window: its turn
+        with get_client(sync_client=True) as c:
+            runs_so_far = c.read_flow_run(run.id).run_count
+        capped = resumer.Resumer(api, tag, max_attempts=runs_so_far)
+        later = datetime.now(UTC) + timedelta(seconds=resumer.GRACE_SECONDS + 1)
+        assert capped.one_pass(now=later) == []  # the cap is reached
+        (line,) = patient.one_pass(now=later)
+    assert line.startswith("resumer-probe: CRASHED") and line.endswith("scheduled again")
+    assert state_of()[:2] == ("SCHEDULED", "AwaitingRetry")
+
+
 def test_a_job_trains_through_an_mlflow_outage(stack_env):
     """MLflow stopped while a job trains: the job's steps go on (its records wait on disk), it
     waits for MLflow only to register, and it completes once MLflow is back: one MLflow run,
