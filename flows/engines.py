@@ -235,6 +235,8 @@ def infrastructure_fault(err: BaseException) -> str | None:
         return str(err)
     text = str(err).strip()
     first = text.splitlines()[0][:300] if text else ""
+    if isinstance(err, ray.exceptions.RayActorError) and err.actor_init_failed:
+        return None  # the actor's own __init__ raised: the job's error, every attempt alike
     if isinstance(err, lost):
         return f"Ray lost the job's workers ({type(err).__name__}: {first})"
     from flowrl.infra.tracking import is_outage

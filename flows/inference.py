@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from prefect import flow
 
-from flowrl.backends.model_uri import pin_model_uri
 from flowrl.flows.lifecycle import JobRun, resumable, task_runner
 from flowrl.flows.run_page import job_run_name
 from flowrl.infra import tracking
 from flowrl.tasks.inference import infer
+from flowrl.tasks.model import prepare_model
 from flowrl.tasks.schemas import InferenceJobConfig
 
 
@@ -41,7 +41,8 @@ class InferenceResult:
 @resumable
 def batch_inference(config: InferenceJobConfig = InferenceJobConfig()) -> InferenceResult:  # noqa: B008
     with JobRun(config) as job:
-        model_uri = pin_model_uri(config.model.source)  # an alias moving mid-job changes nothing
+        # An alias pinned (moving it mid-job changes nothing); ``tiny`` built once, as jobs do.
+        model_uri = prepare_model.submit(config, job.ctx).result()
         job.say(f"model: {config.model.source} is {model_uri}")
         policy = job.start_model(model_uri)  # resources.placement: own workers, or shared
         with job.phase("inference", f"{config.num_prompts} prompts") as phase:

@@ -131,6 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         stream=sys.stdout, level=logging.INFO, format="%(asctime)s resumer: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     if args.max_attempts <= 1:
         logger.info("max_attempts %d: nothing is resumed; the resumer idles", args.max_attempts)
     with httpx.Client(base_url=args.api.rstrip("/"), timeout=30, trust_env=False) as api:

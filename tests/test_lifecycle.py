@@ -180,3 +180,37 @@ def test_a_job_of_every_kind_holds_its_gpu_slots_until_it_ends(kind, two_gpu_poo
     # The probe got its slot only after the job's last stage ended: the job held both slots.
     assert held["acquired"] >= last_task_end.timestamp(), (held, last_task_end)
     assert asyncio.run(_active_slots()) == 0
+
+
+def test_an_actor_that_fails_to_start_is_the_jobs_error_a_killed_one_the_platforms(ray_local):
+    """``infrastructure_fault`` decides whether a run ends CRASHED (resumed by the stack) or
+    FAILED: an actor whose ``__init__`` raises fails the same way on every attempt (a bad model
+    source, say), so it is the job's error; an actor killed under the job is the platform's."""
+    import ray
+
+    from flowrl.flows.engines import infrastructure_fault
+
+    @ray.remote(num_cpus=0)
+    class Broken:
+        def __init__(self) -> None:
+            raise FileNotFoundError("no model folder at 'nowhere'")
+
+        def ping(self) -> str:
+            return "pong"
+
+    @ray.remote(num_cpus=0)
+    class Fine:
+        def ping(self) -> str:
+            return "pong"
+
+    with pytest.raises(ray.exceptions.RayActorError) as failed:
+        ray.get(Broken.remote().ping.remote(), timeout=60)
+    assert infrastructure_fault(failed.value) is None
+    assert "no model folder at 'nowhere'" in str(failed.value)  # the cause, said
+
+    fine = Fine.remote()
+    assert ray.get(fine.ping.remote(), timeout=60) == "pong"
+    ray.kill(fine)
+    with pytest.raises(ray.exceptions.RayActorError) as killed:
+        ray.get(fine.ping.remote(), timeout=60)
+    assert infrastructure_fault(killed.value).startswith("Ray lost the job's workers")
