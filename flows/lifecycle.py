@@ -307,7 +307,10 @@ class JobRun:
         # one before it could not.
         folder = get_settings().resolved_home / "outbox" / run_id
         self._outbox = Outbox(
-            folder, tracking.MlflowDelivery(run_id), say=_thread_safe_say(), probe=tracking.reachable
+            folder,
+            tracking.MlflowDelivery(run_id),
+            say=_thread_safe_say(),
+            probe=tracking.reachable,
         )
         return run_id
 
