@@ -32,7 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = ("mlflow", "prefect", "worker", "ray", "s3", "job", "postgres", "tinker", "openai")
-RL_STEPS = 120
+RL_STEPS = 80
 
 
 def rl_job(name: str) -> dict:

@@ -53,6 +53,9 @@ METRIC_WRITE_STEPS = 10
 METRIC_WRITE_SECONDS = 2.0
 """... or once the oldest has waited this long (checked when the next step logs)."""
 OUTBOX_WAIT_ON_FAILURE_S = 30.0
+TRACKING_WAIT_S = 600.0
+"""How long a job starting while its tracking server does not answer waits for it (before it
+holds any GPU slot) before it ends CRASHED, to be resumed."""
 """How long a failing job waits for MLflow to take its last records (the rest stay on disk for
 the job's next attempt)."""
 
@@ -207,6 +210,28 @@ def shared_worker_settings() -> SharedWorkerSettings:
     return SharedWorkerSettings.from_settings(prefect_api_url=PREFECT_API_URL.value() or None)
 
 
+def _wait_for_tracking(say: Callable[[str], None], wait_s: float = TRACKING_WAIT_S) -> None:
+    """Wait until the tracking server answers, saying so at once and then each minute; raise
+    ``InfrastructureError`` after ``wait_s`` (MLflow's client would retry each call for
+    minutes, saying nothing)."""
+    if tracking.reachable():
+        return
+    uri = get_settings().tracking_uri
+    began = said = time.monotonic()
+    say(f"waiting for the tracking server at {uri}: it does not answer")
+    while not tracking.reachable():
+        now = time.monotonic()
+        if now - began > wait_s:
+            raise InfrastructureError(
+                f"the tracking server at {uri} does not answer (waited {now - began:.0f} s)"
+            )
+        if now - said >= 60:
+            said = now
+            say(f"waiting for the tracking server at {uri}: {now - began:.0f} s so far")
+        time.sleep(2.0)
+    say(f"the tracking server answers after {time.monotonic() - began:.0f} s")
+
+
 class JobRun:
     """One run of a job of any kind, from admission to finish or failure.
 
@@ -264,6 +289,7 @@ class JobRun:
                     cap = load_scheduler().max_attempts
                     self.say(f"attempt {attempt} of {cap}: resuming after a crash")
                     fence.settle()
+            _wait_for_tracking(self.say)  # before any slot is held
             # A shared worker's tenant holds an adapter slot (``_admit``); the worker, its GPUs.
             entering.enter_context(gpu_slots(self.placement().run_gpu_slots))
             entering.callback(self._stop_workers)  # runs first on exit: workers, then slots

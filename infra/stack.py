@@ -4,11 +4,12 @@
 PostgreSQL (``infra/postgres.py``; the database of Prefect's and MLflow's servers), S3
 (SeaweedFS, objects on disk: ``infra/objectstore.py``), an MLflow tracking server (artifacts
 proxied to S3), a Prefect server, a Ray head; then it applies the scheduler declaration and the
-deployments and starts a process worker on the pool, the Tinker API and the OpenAI-compatible
-endpoint. supervisord restarts a component that exits, on the same port with the same data;
-its health listener restarts one that stops answering. The data (``<stack>/postgres``,
-``<stack>/s3``) outlives ``stack down``: the next ``stack up`` finds every run, version,
-checkpoint and artifact where it was.
+deployments and starts a process worker on the pool, the resumer (``infra/resumer.py``), the
+Tinker API and the OpenAI-compatible endpoint (each program's command, environment and health
+check: ``infra/stack_programs.py``). supervisord restarts a component that exits, on the same
+port with the same data; its health listener restarts one that stops answering. The data
+(``<stack>/postgres``, ``<stack>/s3``) outlives ``stack down``: the next ``stack up`` finds
+every run, version, checkpoint and artifact where it was.
 
 PIDs, ports and the environment a client needs are kept in ``<FLOWRL_HOME>/stack/state.json``,
 and a pointer to that file in the user's config folder (``<FLOWRL_CONFIG_DIR>/stack.json``,
@@ -28,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import subprocess
 import sys
 import tempfile
@@ -37,19 +37,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from flowrl.infra import objectstore
-from flowrl.infra.niceness import RAY_WORKER_NICENESS, yield_cpu_to_workers
+from flowrl.infra.niceness import yield_cpu_to_workers
 from flowrl.infra.postgres import Postgres
-from flowrl.infra.scheduler import HEARTBEAT_SECONDS
-from flowrl.infra.servers import TEST_CREDENTIALS, free_port, wait_for_http
+from flowrl.infra.servers import wait_for_http
 from flowrl.infra.settings import get_settings
-from flowrl.infra.supervise import Program, Supervisor, healthy, read_record
+from flowrl.infra.stack_programs import BIN, BUCKET, layout
+from flowrl.infra.supervise import Supervisor, healthy, read_record
 from flowrl.infra.supervise import alive as _alive
 
-HOST = "127.0.0.1"
-BUCKET = "flowrl"
-BIN = Path(sys.executable).parent
-REPOSSESSOR_LOOP_SECONDS = 5
-WORKER_QUERY_SECONDS = 1  # Prefect's default of 10 s would dominate submission -> start
 MLFLOW_UI_PAGE = "#/experiments?workflowType=machine_learning"
 START_ORDER = (
     "postgres",
@@ -64,11 +59,6 @@ START_ORDER = (
 )
 STOP_ORDER = tuple(reversed(START_ORDER))
 POINTER_NAME = "stack.json"
-# Flow runs started by the stack's worker send no task-run INFO lines to the API (one "Finished
-# in state Completed()" per stage and step drowned the flow's own lines); task-run warnings and
-# errors still go, and the flow-run logger stays at INFO. Prefect reads any key of its
-# logging.yml from PREFECT_LOGGING_<PATH>_<TO>_<KEY>.
-TASK_RUN_LOG_LEVEL = {"PREFECT_LOGGING_LOGGERS_PREFECT_TASK_RUNS_LEVEL": "WARNING"}
 WHAT = {
     "postgres": "PostgreSQL",
     "s3": "S3 (SeaweedFS)",
@@ -368,126 +358,11 @@ def _start_missing(state: StackState, say: _Progress) -> None:
 def _start_all(state: StackState, gpus: int, deploy: bool, ray: bool, say: _Progress) -> None:
     home = stack_dir()
     settings = get_settings()
-    s3 = {**TEST_CREDENTIALS}
-    programs: list[Program] = []
-
     pg = Postgres(home / "postgres")
     pg.ensure_cluster()
-    pg_port = free_port()
-    programs.append(
-        Program(
-            "postgres",
-            pg.command(pg_port),
-            user=pg.user,
-            reach=pg.reach,
-            stop_signal="INT",
-            health=f"tcp://{HOST}:{pg_port}",
-            grace_s=30,
-        )
-    )
-    (home / "s3").mkdir(exist_ok=True)
-    weed, s3_port = objectstore.command(home / "s3", BUCKET, HOST)
-    s3_url = f"http://{HOST}:{s3_port}"
-    programs.append(Program("s3", weed, env=s3, health=f"{s3_url}/healthz", grace_s=30))
-    s3["AWS_ENDPOINT_URL"] = s3_url
-
-    mlflow_port = free_port()
-    mlflow_url = f"http://{HOST}:{mlflow_port}"
-    cmd = [str(BIN / "mlflow"), "server", "--host", HOST, "--port", str(mlflow_port)]
-    cmd += ["--workers", "1", "--artifacts-destination", f"s3://{BUCKET}/mlflow"]
-    mlflow_env = {
-        **s3,
-        # Read by `mlflow server` from its environment: the password stays off the command line.
-        "MLFLOW_BACKEND_STORE_URI": pg.url(pg_port, "mlflow", "psycopg"),
-        "MLFLOW_S3_ENDPOINT_URL": s3_url,
-        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
-    }
-    programs.append(Program("mlflow", cmd, env=mlflow_env, health=f"{mlflow_url}/health"))
-
-    prefect_port = free_port()
-    prefect_url = f"http://{HOST}:{prefect_port}/api"
-    prefect_env = {
-        "PREFECT_HOME": str(home / "prefect"),
-        "PREFECT_API_DATABASE_CONNECTION_URL": pg.url(pg_port, "prefect", "asyncpg"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        # The UI in a browser talks to this server's API, on whatever port it got.
-        "PREFECT_SERVER_UI_API_URL": prefect_url,
-        "PREFECT_SERVER_UI_SHOW_PROMOTIONAL_CONTENT": "false",
-        # Expired GPU-slot leases (a killed job's) are reclaimed every 5 s, not every 15 s.
-        "PREFECT_SERVER_SERVICES_REPOSSESSOR_LOOP_SECONDS": str(REPOSSESSOR_LOOP_SECONDS),
-    }
-    cmd = [str(BIN / "prefect"), "server", "start", "--host", HOST, "--port", str(prefect_port)]
-    programs.append(Program("prefect", cmd, env=prefect_env, health=f"{prefect_url}/health"))
-
-    state.env = {
-        **s3,
-        "PREFECT_API_URL": prefect_url,
-        "FLOWRL_PREFECT_API_URL": prefect_url,
-        "FLOWRL_MLFLOW_TRACKING_URI": mlflow_url,
-        "FLOWRL_STORAGE_URL": f"s3://{BUCKET}/storage",
-        "FLOWRL_HOME": str(settings.resolved_home),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        "RAY_USAGE_STATS_ENABLED": "0",
-        # Admission matches placement: the pool's GPU slots are the GPUs the Ray head offers,
-        # so a job asking for more is refused at submission instead of waiting forever.
-        "FLOWRL_POOL_GPUS": str(gpus),
-    }
-    if settings.scheduler_file is not None:
-        state.env["FLOWRL_SCHEDULER_FILE"] = str(settings.scheduler_file.resolve())
-    urls = {"postgres": f"{HOST}:{pg_port}", "s3": s3_url, "mlflow": mlflow_url}
-    urls["prefect"] = prefect_url
-    if ray:
-        # Ray 2.60's token auth, on: the head and every driver read the stack's own token
-        # (made once, mode 0600, beside the state; not the user's ~/.ray/auth_token).
-        token = home / "ray-auth-token"
-        if not token.exists():
-            token.touch(mode=0o600)
-            token.write_text(secrets.token_hex(32))
-        ray_auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
-        ray_port = free_port()
-        # A short temp dir: Ray's unix socket paths must stay under ~107 characters.
-        ray_tmp = tempfile.mkdtemp(prefix="flowrl-ray-")
-        cmd = [str(BIN / "ray"), "start", "--head", "--block", "--node-ip-address", HOST]
-        cmd += ["--port", str(ray_port), "--num-cpus", str(settings.ray_num_cpus)]
-        cmd += ["--num-gpus", str(gpus), "--include-dashboard", "false"]
-        cmd += ["--disable-usage-stats", "--temp-dir", ray_tmp]
-        cmd += ["--system-config", json.dumps({"worker_niceness": RAY_WORKER_NICENESS})]
-        # `ray start --block` stops its processes on SIGINT (it ignores SIGTERM).
-        programs.append(
-            Program(
-                "ray",
-                cmd,
-                env={"RAY_USAGE_STATS_ENABLED": "0", **ray_auth},
-                stop_signal="INT",
-                health=f"tcp://{HOST}:{ray_port}",
-                grace_s=60,
-            )
-        )
-        urls["ray"] = f"{HOST}:{ray_port}"
-        state.env |= {"FLOWRL_RAY_ADDRESS": f"{HOST}:{ray_port}", **ray_auth}
-    pool = _pool_name(state)
-    cmd = [str(BIN / "prefect"), "worker", "start", "--pool", pool, "--type", "process"]
-    worker_env = {
-        **state.env,
-        "PREFECT_WORKER_QUERY_SECONDS": str(WORKER_QUERY_SECONDS),
-        # Each flow run says it is alive; one that stops (its process died unreported) is
-        # marked CRASHED by the zombie automation (infra/scheduler.py) and resumed.
-        "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_SECONDS),
-        # Flow logs reach the Prefect API at INFO (the CLI quiets its own terminal); task-run
-        # logs at WARNING.
-        "PREFECT_LOGGING_LEVEL": "INFO",
-        **TASK_RUN_LOG_LEVEL,
-        "PREFECT_HOME": str(home / "worker-home"),
-    }
-    # SIGINT: the worker finishes its bookkeeping. A restarted worker leaves the flow runs of
-    # the one before it running (they report to the API themselves).
-    programs.append(Program("worker", cmd, env=worker_env, stop_signal="INT", clean_previous=False))
-    urls["worker"] = prefect_url
-    programs.append(_resumer_program(prefect_url))
-    urls["resumer"] = prefect_url
-    if ray:
-        programs.append(_tinker_program(state, urls))
-    programs.append(_openai_program(state, urls))
+    plan = layout(home, pg, gpus, ray, _pool_name(state))
+    programs, urls = plan.programs, plan.urls
+    state.env = plan.env
 
     sock = home / "supervisor.sock"
     if len(str(sock)) > 100:  # a Unix socket's path is limited to ~107 bytes
@@ -506,16 +381,16 @@ def _start_all(state: StackState, gpus: int, deploy: bool, ray: bool, say: _Prog
     say(f"supervisor (supervisord, pid {state.supervisor['pid']})")
 
     _start(sup, state, "postgres")
-    pg.ensure_databases(pg_port)
-    say(f"PostgreSQL on {HOST}:{pg_port} (data in {pg.data})")
+    pg.ensure_databases(int(urls["postgres"].rsplit(":", 1)[1]))
+    say(f"PostgreSQL on {urls['postgres']} (data in {pg.data})")
     _start(sup, state, "s3")
-    say(f"S3 (SeaweedFS) on {s3_url}, bucket {BUCKET}")
+    say(f"S3 (SeaweedFS) on {urls['s3']}, bucket {BUCKET}")
     sup.start("mlflow")
     sup.start("prefect")
     _start(sup, state, "mlflow", 180)
-    say(f"MLflow server on {mlflow_url}")
+    say(f"MLflow server on {urls['mlflow']}")
     _start(sup, state, "prefect", 180)
-    say(f"Prefect server on {prefect_url}")
+    say(f"Prefect server on {urls['prefect']}")
     if ray:
         _start(sup, state, "ray", 120)
         yield_cpu_to_workers([state.components["ray"].pid], settings.ray_daemon_niceness)
@@ -527,8 +402,9 @@ def _start_all(state: StackState, gpus: int, deploy: bool, ray: bool, say: _Prog
     time.sleep(1.0)
     if sup.processes()["worker"]["statename"] != "RUNNING":
         raise RuntimeError(f"the Prefect worker exited at once; see {home / 'worker.log'}")
-    say(f"worker on pool {pool}")
+    say(f"worker on pool {_pool_name(state)}")
     _start(sup, state, "resumer")
+    say("job resumer")
     if ray:
         _start(sup, state, "tinker", 120)
         say(f"Tinker API on {state.env['TINKER_BASE_URL']}")
@@ -559,45 +435,6 @@ def _start(sup: Supervisor, state: StackState, name: str, timeout: float = 60.0)
                 f"the {WHAT[name]} did not answer within {timeout:.0f} s; see {comp.log}"
             )
         time.sleep(0.2)
-
-
-def _resumer_program(prefect_url: str) -> Program:
-    """``infra/resumer.py``: the crashed jobs that the resume automation missed."""
-    from flowrl.infra.scheduler import RESUME_TAG, load_scheduler
-
-    cmd = [sys.executable, "-m", "flowrl.infra.resumer", "--api", prefect_url]
-    cmd += ["--tag", RESUME_TAG, "--max-attempts", str(load_scheduler().max_attempts)]
-    return Program("resumer", cmd)
-
-
-def _tinker_program(state: StackState, urls: dict[str, str]) -> Program:
-    """The Tinker API (``flowrl serve tinker --placement sessions``): each training model a run
-    of the ``tinker-session`` deployment. With ``FLOWRL_TINKER_KEYS`` set, those keys; else
-    without keys, on loopback (any ``tml-`` key is accepted, every caller one namespace)."""
-    port = free_port()
-    url = f"http://{HOST}:{port}"
-    cmd = [str(BIN / "flowrl"), "serve", "tinker", "--placement", "sessions"]
-    cmd += ["--host", HOST, "--port", str(port)]
-    if not os.environ.get("FLOWRL_TINKER_KEYS"):
-        cmd.append("--insecure-loopback")
-    state.env["TINKER_BASE_URL"] = url
-    urls["tinker"] = url
-    return Program("tinker", cmd, env=dict(state.env), health=f"{url}/api/v1/healthz")
-
-
-def _openai_program(state: StackState, urls: dict[str, str]) -> Program:
-    """The OpenAI-compatible endpoint (``flowrl serve openai``) on the stack's MLflow and
-    storage: its registered versions, Tinker checkpoints and base models. With
-    ``FLOWRL_OPENAI_KEYS`` set, those keys; else without keys, on loopback. It loads a model on
-    its first request, so at rest it holds none."""
-    port = free_port()
-    url = f"http://{HOST}:{port}"
-    cmd = [str(BIN / "flowrl"), "serve", "openai", "--host", HOST, "--port", str(port)]
-    if not os.environ.get("FLOWRL_OPENAI_KEYS"):
-        cmd.append("--insecure-loopback")
-    state.env["OPENAI_BASE_URL"] = f"{url}/v1"
-    urls["openai"] = url
-    return Program("openai", cmd, env=dict(state.env), health=f"{url}/health")
 
 
 def _child_env(state: StackState) -> dict[str, str]:

@@ -567,6 +567,52 @@ def test_tinker_sessions_are_flow_runs_holding_gpu_slots(tinker_sessions, stack_
     assert gone.status_code == 410 and "no heartbeat" in gone.json()["detail"]
 
 
+def test_a_tinker_loop_carries_on_through_a_kill_of_the_service(stack_env):
+    """The stack's Tinker API SIGKILLed while an SDK loop has calls in flight: the supervisor
+    starts it again, it recovers its journal (sessions, the model in its session run's actor,
+    the calls not yet answered) and the loop carries on, none the wiser: its losses fall, and
+    the model took each optimizer step once."""
+    import tinker
+    from tinker import types
+
+    _deploy(stack_env, str(REPO), "flowrl.flows.tinker_session.tinker_session", "tinker-session")
+    client = tinker.ServiceClient(
+        base_url=stack_env.env["TINKER_BASE_URL"], api_key="tml-" + "k" * 24
+    )
+    tc = client.create_lora_training_client("flowrl/tiny", rank=4, seed=0).result()
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4},
+        )
+    ]
+    before = _status(stack_env)["tinker"]
+    losses = []
+    for step in range(10):
+        fb = tc.forward_backward(data, "cross_entropy")
+        opt = tc.optim_step(types.AdamParams(learning_rate=1e-2))
+        if step == 4:
+            time.sleep(0.5)  # the calls reach the service
+            os.kill(before["pid"], signal.SIGKILL)
+        opt.result()
+        losses.append(fb.result().metrics["loss:sum"])
+    after = _status(stack_env)["tinker"]
+    assert after["restarts"] == before["restarts"] + 1 and after["pid"] != before["pid"]
+    assert losses[-1] < losses[0], losses
+    recovered = [
+        line
+        for line in Path(after["log"]).read_text().splitlines()
+        if "unanswered calls recovered" in line
+    ]
+    assert recovered and "1 of 1 models" in recovered[-1], recovered
+    model_id = tc.get_info().model_id
+    (run,) = [r for r in _tinker_runs("RUNNING") if r.parameters["config"]["model_id"] == model_id]
+    run_id = str(run.id)
+    client.close("success").result()
+    assert JobClient().wait(run_id, timeout=120).state == "COMPLETED"
+    assert _line(run_id, "unloaded after 10 optimizer steps", 30)  # none ran twice
+
+
 # ------------------------------------------------------- shared base-model worker's tenants
 
 
@@ -803,7 +849,8 @@ def test_the_resumer_catches_what_the_automation_missed(stack_env):
 def test_a_job_trains_through_an_mlflow_outage(stack_env):
     """MLflow stopped while a job trains: the job's steps go on (its records wait on disk), it
     waits for MLflow only to register, and it completes once MLflow is back: one MLflow run,
-    every step's metrics once, in step order."""
+    every step's metrics once, in step order. A job submitted meanwhile says it waits for the
+    tracking server (holding no GPU slot), then starts and completes."""
     from flowrl.infra import tracking
 
     sup = stack_env.supervisord()
@@ -815,6 +862,8 @@ def test_a_job_trains_through_an_mlflow_outage(stack_env):
     stopped = time.monotonic()
     try:
         assert _line(run_id, "tracking server unreachable", 120)
+        late = jobs.submit("rl-train/rl-train-resume", {"config": _small_rl_job("late", 10)})
+        assert _line(late, "waiting for the tracking server at", 120)
         done = _line(run_id, "RL: done", 300)  # every step trained while MLflow was down
         assert "waiting for MLflow to take" in "\n".join(_lines(run_id))
         time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - stopped)))
@@ -825,6 +874,8 @@ def test_a_job_trains_through_an_mlflow_outage(stack_env):
     final = jobs.wait(run_id, timeout=600)
     assert final.state == "COMPLETED", final
     assert _line(run_id, "tracking server back after", 10)
+    assert jobs.wait(late, timeout=300).state == "COMPLETED"
+    assert _line(late, "the tracking server answers after", 10)
     result = jobs.result(run_id)
     client = tracking.client()
     runs = client.search_runs(
