@@ -134,6 +134,11 @@ class Placement:
         base_uri, lora: its ``LoraSettings``, seed: the model's or None)."""
         raise ValueError(f"a {self.kind} placement cannot hold a Tinker model")
 
+    def find_model(self, model_id: str) -> ModelHandle | None:
+        """The running Tinker model ``model_id`` that this placement started for a service
+        that has since restarted; None where models die with the service (its process)."""
+        return None
+
     @property
     def run_gpu_slots(self) -> int:
         """GPU slots of the scheduler's ``gpu`` limit the run that holds this placement takes
@@ -256,6 +261,19 @@ class OwnWorkers(Placement):
         raise TimeoutError(
             f"session run {run_id} did not start its model in {SESSION_START_TIMEOUT_S} s"
         )
+
+    def find_model(self, model_id: str) -> ModelHandle | None:
+        """The session run's actor of ``model_id``, if it still runs (it outlives the
+        service's process)."""
+        from flowrl.backends.tinker.actor import actor_name
+        from flowrl.backends.tinker.handles import RayHandle, connect_service_ray
+
+        connect_service_ray()
+        try:
+            actor = ray.get_actor(actor_name(model_id), namespace=RAY_NAMESPACE)
+            return RayHandle(actor, None, ray.get(actor.info.remote(), timeout=60))
+        except (ValueError, ray.exceptions.RayError):
+            return None
 
     def _session_config(self, spec: dict[str, Any]) -> dict[str, Any]:
         """The ``TinkerSessionConfig`` of a model's session run."""

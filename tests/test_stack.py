@@ -586,25 +586,39 @@ def test_a_tinker_loop_carries_on_through_a_kill_of_the_service(stack_env):
             loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4},
         )
     ]
+    # The same lesson as ``data`` (the next token is one more), longer and many times over: a
+    # batch that takes the model seconds, in flight when the service is killed.
+    tokens = list(range(5, 101))
+    one = types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 95},
+    )
+    long = [one] * 256
     before = _status(stack_env)["tinker"]
     losses = []
     for step in range(10):
-        fb = tc.forward_backward(data, "cross_entropy")
+        fb = tc.forward_backward(long if step == 4 else data, "cross_entropy")
         opt = tc.optim_step(types.AdamParams(learning_rate=1e-2))
         if step == 4:
             time.sleep(0.5)  # the calls reach the service
             os.kill(before["pid"], signal.SIGKILL)
         opt.result()
-        losses.append(fb.result().metrics["loss:sum"])
+        out = fb.result()
+        if step != 4:
+            losses.append(out.metrics["loss:sum"])
     after = _status(stack_env)["tinker"]
     assert after["restarts"] == before["restarts"] + 1 and after["pid"] != before["pid"]
-    assert losses[-1] < losses[0], losses
+    # It learns on, from where it was (the long batch's step moves it; the steps after it,
+    # on the restarted service, bring the loss down again).
+    assert losses[3] < losses[0] and losses[-1] < losses[4], losses
     recovered = [
         line
         for line in Path(after["log"]).read_text().splitlines()
         if "unanswered calls recovered" in line
     ]
     assert recovered and "1 of 1 models" in recovered[-1], recovered
+    replayed = int(recovered[-1].split(" unanswered calls")[0].rsplit(" ", 1)[-1])
+    assert replayed >= 1, recovered  # the long batch's call (and the step after it), again
     model_id = tc.get_info().model_id
     (run,) = [r for r in _tinker_runs("RUNNING") if r.parameters["config"]["model_id"] == model_id]
     run_id = str(run.id)

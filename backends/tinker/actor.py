@@ -5,7 +5,9 @@ The ``tinker-session`` flow run (``flows/tinker_session.py``) starts it, named
 finds it. One call at a time runs on the model, while ``poll`` (the flow run's supervision)
 waits for the metrics it records (loss per ``forward_backward``, tokens, learning rate and
 gradient norm per ``optim_step``) or for ``close`` (the service unloads the model): then the
-run ends and its GPU slots are freed.
+run ends and its GPU slots are freed. The actor outlives a restart of the service: a call made
+with a key runs once, so the restarted service's replay of its journal (``journal.py``) gets
+the answers of calls that had already run.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import ray
 from flowrl.backends.types import LoraSettings
 
 ACTOR_PREFIX = "tinker-"
+KEPT_ANSWERS = 256
+"""Results of keyed calls kept for a replay (far more than a client has in flight)."""
 
 
 def actor_name(model_id: str) -> str:
@@ -40,16 +44,25 @@ class TinkerActor:
         self.metrics: list[dict[str, float]] = []
         self.closed = False
         self.step = 0
+        self.answers: dict[str, Any] = {}  # key -> result of the last KEPT_ANSWERS keyed calls
 
     def info(self) -> dict[str, int]:
         return {"vocab_size": self.model.vocab_size, "context_length": self.model.context_length}
 
-    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+    def call(self, method: str, args: tuple, kwargs: dict, key: str | None = None) -> Any:
+        """``method`` on the model. A call with a ``key`` runs once: the same key again (the
+        service replaying its journal after a restart) answers the first call's result."""
         with self.lock:
+            if key is not None and key in self.answers:
+                return self.answers[key]
             if self.closed:
                 raise RuntimeError("this model is unloaded")
             out = getattr(self.model, method)(*args, **kwargs)
             self._record(method, args, out)
+            if key is not None:
+                self.answers[key] = out
+                while len(self.answers) > KEPT_ANSWERS:
+                    self.answers.pop(next(iter(self.answers)))
         return out
 
     def _record(self, method: str, args: tuple, out: Any) -> None:

@@ -11,11 +11,30 @@ models and give these back:
 
 from __future__ import annotations
 
+import threading
 from typing import Any, Protocol
 
 import ray
 
 from flowrl.infra.settings import RAY_NAMESPACE, get_settings
+
+_working_for = threading.local()
+
+
+def work_for(request_id: str | None) -> None:
+    """This thread now works for the request ``request_id`` (None: for none): the model calls
+    it makes are keyed ``<request id>/<n>``, in order."""
+    _working_for.request_id = request_id
+    _working_for.calls = 0
+
+
+def request_key() -> str | None:
+    """The next call's key for the request this thread works for (None outside a request)."""
+    request_id = getattr(_working_for, "request_id", None)
+    if request_id is None:
+        return None
+    _working_for.calls += 1
+    return f"{request_id}/{_working_for.calls}"
 
 
 class ModelHandle(Protocol):
@@ -47,13 +66,15 @@ class LocalHandle:
 class RayHandle:
     """The service's handle on a session's actor."""
 
-    def __init__(self, actor: Any, flow_run_id: str, info: dict[str, int]):
+    def __init__(self, actor: Any, flow_run_id: str | None, info: dict[str, int]):
         self.actor = actor
-        self.flow_run_id = flow_run_id
+        self.flow_run_id = flow_run_id  # None: found again by a restarted service
         self.info = info
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        return _answer(self.actor.call.remote(method, args, kwargs))
+        """``method`` on the actor, keyed by the request this thread works for, if any
+        (``request_key``): the actor runs a keyed call once."""
+        return _answer(self.actor.call.remote(method, args, kwargs, request_key()))
 
     def close(self) -> None:
         try:

@@ -69,7 +69,10 @@ def _parse(model: type[BaseModel], body: Any) -> Any:
 
 async def _body(request: Request) -> dict:
     """The request's JSON object (400 if it is not one)."""
-    raw = await request.body()
+    return _json(await request.body())
+
+
+def _json(raw: bytes) -> dict:
     try:
         data = json.loads(raw or b"{}")
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -77,6 +80,111 @@ async def _body(request: Request) -> dict:
     if not isinstance(data, dict):
         raise ServiceError(400, "the JSON body must be an object")
     return data
+
+
+# ---------------------------------------------------------------- the verbs a journal replays
+# Each takes the raw request (forward_backward's protobuf decompressed, else JSON) and answers
+# its future; the service journals it first (``TinkerService.journaled``), and a restarted
+# service calls it again with the same raw request (``TinkerService.recover``).
+
+
+def forward_backward_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
+    call = read_forward_backward(raw)
+
+    def answer() -> dict:
+        return _future(*service.forward_backward(ns, call))
+
+    return service.journaled(ns, "forward_backward", call.model_id, call.seq_id, raw, answer)
+
+
+def optim_step_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
+    from tinker import types as t
+
+    req = _parse(t.OptimStepRequest, _json(raw))
+    params = req.optim_params
+    if not isinstance(params, t.AdamParams):
+        kind = getattr(params, "type", "?")
+        raise ServiceError(400, f"optimizer params {kind!r} are not supported (adam)")
+    adam = adam_step(params)
+
+    def answer() -> dict:
+        return _future(*service.optim_step(ns, req.model_id, adam))
+
+    return service.journaled(ns, "optim_step", req.model_id, req.seq_id, raw, answer)
+
+
+def save_weights_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
+    from tinker import types as t
+
+    req = _parse(t.SaveWeightsRequest, _json(raw))
+
+    def answer() -> dict:
+        model = service.model(ns, req.model_id)
+        rid = service.save(model, "weights", req.path, True, req.user_metadata or {})
+        return _future(rid, model.model_id)
+
+    return service.journaled(ns, "save_weights", req.model_id, req.seq_id, raw, answer)
+
+
+def save_for_sampler_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
+    from tinker import types as t
+
+    req = _parse(t.SaveWeightsForSamplerRequest, _json(raw))
+
+    def answer() -> dict:
+        if req.path is None:
+            return _future(*service.snapshot_for_sampler(ns, req.model_id))
+        model = service.model(ns, req.model_id)
+        meta = req.user_metadata or {}
+        rid = service.save(model, "sampler_weights", req.path, False, meta)
+        return _future(rid, model.model_id)
+
+    verb = "save_weights_for_sampler"
+    return service.journaled(ns, verb, req.model_id, req.seq_id, raw, answer)
+
+
+def asample_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
+    from tinker import types as t
+
+    req = _parse(t.SampleRequest, _json(raw))
+    if req.sampling_session_id is None:
+        raise ServiceError(
+            400, "asample needs a sampling_session_id (create a sampling client first)"
+        )
+    prompt = check_sample_request(req, service.limits.max_samples)
+    params = sample_params(req.sampling_params)
+    n = req.num_samples
+
+    def answer() -> dict:
+        rid = service.sample(
+            ns, req.sampling_session_id, prompt, n, params, bool(req.prompt_logprobs)
+        )
+        return _future(rid, None, sample_sequence_ids=[f"{rid}:{i}" for i in range(n)])
+
+    return service.journaled(ns, "asample", req.sampling_session_id, req.seq_id, raw, answer)
+
+
+def create_model_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
+    """(Blocking: it writes the run's record; the route calls it in a thread.)"""
+    from tinker import types as t
+
+    req = _parse(t.CreateModelRequest, _json(raw))
+    model_id = f"{req.session_id}:train:{req.model_seq_id}"
+
+    def answer() -> dict:
+        return _future(*service.create_model(ns, req))
+
+    return service.journaled(ns, "create_model", model_id, req.model_seq_id, raw, answer)
+
+
+VERBS = {
+    "create_model": create_model_verb,
+    "forward_backward": forward_backward_verb,
+    "optim_step": optim_step_verb,
+    "save_weights": save_weights_verb,
+    "save_weights_for_sampler": save_for_sampler_verb,
+    "asample": asample_verb,
+}
 
 
 def _future(request_id: str, model_id: str | None = None, **extra: Any) -> dict:
@@ -170,9 +278,8 @@ def _model_routes(app: FastAPI, service: TinkerService) -> None:
 
     @app.post(f"{API}/create_model")
     async def create_model(request: Request) -> dict:
-        req = _parse(t.CreateModelRequest, await _body(request))
-        rid, model_id = await asyncio.to_thread(service.create_model, request.state.namespace, req)
-        return _future(rid, model_id)
+        raw = await request.body()
+        return await asyncio.to_thread(create_model_verb, service, request.state.namespace, raw)
 
     @app.post(f"{API}/get_info")
     async def get_info(request: Request) -> dict:
@@ -222,36 +329,19 @@ def _training_routes(app: FastAPI, service: TinkerService) -> None:
             raise ServiceError(415, "forward_backward takes application/x-protobuf")
         limit = 4 * service.limits.max_body_bytes
         raw = decompress(await request.body(), request.headers.get("content-encoding"), limit)
-        call = read_forward_backward(raw)
-        return _future(*service.forward_backward(request.state.namespace, call))
+        return forward_backward_verb(service, request.state.namespace, raw)
 
     @app.post(f"{API}/optim_step")
     async def optim_step(request: Request) -> dict:
-        req = _parse(t.OptimStepRequest, await _body(request))
-        params = req.optim_params
-        if not isinstance(params, t.AdamParams):
-            kind = getattr(params, "type", "?")
-            raise ServiceError(400, f"optimizer params {kind!r} are not supported (adam)")
-        adam = adam_step(params)
-        return _future(*service.optim_step(request.state.namespace, req.model_id, adam))
+        return optim_step_verb(service, request.state.namespace, await request.body())
 
     @app.post(f"{API}/save_weights")
     async def save_weights(request: Request) -> dict:
-        req = _parse(t.SaveWeightsRequest, await _body(request))
-        model = service.model(request.state.namespace, req.model_id)
-        rid = service.save(model, "weights", req.path, True, req.user_metadata or {})
-        return _future(rid, model.model_id)
+        return save_weights_verb(service, request.state.namespace, await request.body())
 
     @app.post(f"{API}/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict:
-        req = _parse(t.SaveWeightsForSamplerRequest, await _body(request))
-        ns = request.state.namespace
-        if req.path is None:
-            return _future(*service.snapshot_for_sampler(ns, req.model_id))
-        model = service.model(ns, req.model_id)
-        meta = req.user_metadata or {}
-        rid = service.save(model, "sampler_weights", req.path, False, meta)
-        return _future(rid, model.model_id)
+        return save_for_sampler_verb(service, request.state.namespace, await request.body())
 
     @app.post(f"{API}/load_weights")
     async def load_weights(request: Request) -> dict:
@@ -283,23 +373,7 @@ def _sampling_routes(app: FastAPI, service: TinkerService) -> None:
 
     @app.post(f"{API}/asample")
     async def asample(request: Request) -> dict:
-        req = _parse(t.SampleRequest, await _body(request))
-        if req.sampling_session_id is None:
-            raise ServiceError(
-                400, "asample needs a sampling_session_id (create a sampling client first)"
-            )
-        prompt = check_sample_request(req, service.limits.max_samples)
-        params = sample_params(req.sampling_params)
-        n = req.num_samples
-        rid = service.sample(
-            request.state.namespace,
-            req.sampling_session_id,
-            prompt,
-            n,
-            params,
-            bool(req.prompt_logprobs),
-        )
-        return _future(rid, None, sample_sequence_ids=[f"{rid}:{i}" for i in range(n)])
+        return asample_verb(service, request.state.namespace, await request.body())
 
 
 def _future_routes(app: FastAPI, service: TinkerService) -> None:
@@ -320,9 +394,12 @@ def _future_routes(app: FastAPI, service: TinkerService) -> None:
             again = {"type": "try_again", "request_id": data["request_id"]}
             return JSONResponse(again | {"queue_state": "active"}, status_code=408)
         except (ServiceError, TinkerInputError) as e:
+            service.done(data["request_id"])
             return JSONResponse({"error": str(e), "category": "user"})
         except Exception as e:  # the model's own failure: the future fails, the server serves on
+            service.done(data["request_id"])
             return JSONResponse({"error": f"{type(e).__name__}: {e}"[:2000], "category": "server"})
+        service.done(data["request_id"])
         if isinstance(result, bytes):
             return Response(result, media_type="application/x-protobuf")
         return JSONResponse(result)

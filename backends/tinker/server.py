@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from flowrl.backends.placement import (
     InProcess,
@@ -25,7 +26,8 @@ from flowrl.backends.placement import (
     SharedTenant,
     VLLMEngines,
 )
-from flowrl.backends.tinker.routes import create_app
+from flowrl.backends.tinker.journal import Journal
+from flowrl.backends.tinker.routes import VERBS, create_app
 from flowrl.backends.tinker.service import Limits, TinkerService
 from flowrl.infra import serving
 from flowrl.infra.serving import add_serving_arguments, check_exposure, serve, serving_limits
@@ -85,6 +87,15 @@ def command_parser() -> argparse.ArgumentParser:
         "restored exactly. (Admission, how many tenants a shared worker takes, is "
         "FLOWRL_SHARED_ADAPTER_SLOTS.)",
     )
+    parser.add_argument(
+        "--journal",
+        metavar="DIR",
+        default=None,
+        help="Keep a journal in DIR (journal.jsonl): a service started again on it carries on "
+        "its clients' sessions, models (those that outlive the process: --placement sessions) "
+        "and the results they had not taken, so their loops do not notice the restart "
+        "(`flowrl stack up` sets it). Without it, sessions end with the process.",
+    )
     parser.add_argument("--adapter-slots", type=int, help=argparse.SUPPRESS)  # the old name
     return parser
 
@@ -139,9 +150,16 @@ def run(args: argparse.Namespace, keys: dict[str, str], placement: Placement) ->
         max_requests_per_s=shared.max_requests_per_s,
         session_ttl_s=args.session_ttl,
     )
+    journal = Journal(Path(args.journal)) if args.journal else None
     service = TinkerService(
-        placement, keys=keys, limits=limits, sampler_placement=sampler_placement_for(args)
+        placement,
+        keys=keys,
+        limits=limits,
+        sampler_placement=sampler_placement_for(args),
+        journal=journal,
     )
+    if journal is not None:
+        print(f"journal {journal.path}: {service.recover(VERBS)}", file=sys.stderr, flush=True)
     try:
         serve(create_app(service), args.host, args.port, keep_alive_s=30)
     finally:

@@ -10,6 +10,7 @@ sees only its own sessions, models, samplers, futures, runs and checkpoints (404
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import secrets
 import threading
@@ -29,7 +30,8 @@ from flowrl.backends.tinker.checkpoints import (
     run_folder,
     tinker_prefix,
 )
-from flowrl.backends.tinker.handles import ModelHandle
+from flowrl.backends.tinker.handles import ModelHandle, work_for
+from flowrl.backends.tinker.journal import Journal, pending
 from flowrl.backends.tinker.types import (
     SampleParams,
     check_batch,
@@ -58,6 +60,10 @@ class Limits(ServingLimits):
     long_poll_s: float = 20.0
     """How long ``retrieve_future`` waits for a result before answering 408 ``try_again`` (the
     SDK asks again at once; its own timeout per ask is 45 s)."""
+
+
+START_AGAIN_S = 300.0
+"""How long a restarted service waits for a model whose start the killed one had begun."""
 
 
 @dataclass
@@ -132,6 +138,7 @@ class TinkerService:
         storage_url: str | None = None,
         limits: Limits | None = None,
         sampler_placement: Placement | None = None,
+        journal: Journal | None = None,
     ):
         settings = get_settings()
         self.placement = placement
@@ -153,6 +160,12 @@ class TinkerService:
         self.futures: dict[str, _Future] = {}
         self.pool: dict[tuple, _Model] = {}  # samplers of saved paths and base models
         self.try_again = 0  # 408 answers to retrieve_future (a result not ready in a long poll)
+        self.journal = journal
+        """Where what a restarted service needs is written (``journal.py``); None: nothing
+        outlives the process."""
+        self.answered: dict[tuple, dict] = {}  # (target, verb, seq_id) -> its answer
+        self._answer_keys: dict[str, tuple] = {}  # future id -> its key in ``answered``
+        self._replaying = threading.local()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, daemon=True, name="tinker-reaper")
         self._reaper.start()
@@ -179,12 +192,169 @@ class TinkerService:
 
     # ------------------------------------------------------------------- futures
 
-    def submit(self, namespace: str | None, kind: str, worker: Any, fn: Callable[[], Any]) -> str:
-        request_id = secrets.token_hex(12)
+    def submit(
+        self,
+        namespace: str | None,
+        kind: str,
+        worker: Any,
+        fn: Callable[[], Any],
+        request_id: str | None = None,
+    ) -> str:
+        request_id = request_id or self._next_request_id()
         future = worker.submit(fn)
         with self.lock:
             self.futures[request_id] = _Future(namespace, kind, future)
         return request_id
+
+    def _next_request_id(self) -> str:
+        """The id of the verb's future: the journal's (``journaled``), else a new one."""
+        preset = getattr(self._replaying, "request_id", None)
+        self._replaying.request_id = None
+        return preset or secrets.token_hex(12)
+
+    def journaled(
+        self,
+        namespace: str | None,
+        verb: str,
+        target: str,
+        seq_id: int | None,
+        raw: bytes,
+        answer: Callable[[], dict],
+    ) -> dict:
+        """``answer()`` (a verb's future), written to the journal first; a client's retry of
+        a request already answered (the same ``seq_id`` of the same target and verb) gets the
+        same future, and nothing runs again."""
+        key = (target, verb, seq_id) if seq_id is not None else None
+        with self.lock:
+            if key is not None and key in self.answered:
+                return self.answered[key]
+        if self.journal is None:
+            return answer()
+        request_id = getattr(self._replaying, "replay", None)
+        if request_id is None:
+            request_id = secrets.token_hex(12)
+            self.journal.write(
+                {
+                    "op": "call",
+                    "rid": request_id,
+                    "verb": verb,
+                    "ns": namespace,
+                    "target": target,
+                    "body": base64.b64encode(raw).decode(),
+                }
+            )
+        self._replaying.request_id = request_id
+        try:
+            response = answer()
+        except BaseException:
+            self.done(request_id)  # refused at once: there is nothing to answer again
+            raise
+        finally:
+            self._replaying.request_id = None
+        if key is not None:
+            with self.lock:
+                self.answered[key] = response
+                self._answer_keys[request_id] = key
+        return response
+
+    def done(self, request_id: str) -> None:
+        """The client has the result of ``request_id``: it need not be answered again."""
+        with self.lock:
+            key = self._answer_keys.pop(request_id, None)
+            if key is not None:
+                self.answered.pop(key, None)
+        if self.journal is not None:
+            self.journal.write({"op": "done", "rid": request_id})
+
+    def _note(self, entry: dict) -> None:
+        if self.journal is not None:
+            self.journal.write(entry)
+
+    def recover(self, verbs: dict[str, Callable[[TinkerService, str | None, bytes], dict]]) -> str:
+        """Carry on from the journal of a service that was stopped or killed: its live
+        sessions, models and samplers, then each call whose result its client had not taken,
+        under the same future id and in order (``journal.py``). One line saying what."""
+        if self.journal is None:
+            return "no journal"
+        live = pending(self.journal.read())
+        for e in live.sessions.values():
+            session = _Session(e["session_id"], e["ns"], e.get("display_name"), e.get("meta") or {})
+            self.sessions[session.session_id] = session
+        found = 0
+        starting = {c["target"] for c in live.calls if c["verb"] == "create_model"}
+        for e in live.models.values():
+            lora, seed = read_tinker_lora(e["lora"])
+            model = _Model(e["model_id"], e["ns"], e["session_id"], e["base_model"], lora, seed)
+            model.handle = self.placement.find_model(model.model_id)
+            if model.handle is None and model.model_id not in starting:
+                model.ended = "lost: the service restarted and the model was not found"
+            found += model.handle is not None
+            self.models[model.model_id] = model
+            self.sessions[model.session_id].models.append(model.model_id)
+        for e in live.samplers.values():
+            self._restore_sampler(e)
+        for call in live.calls:
+            self._replay(call, verbs)
+        self.journal.rewrite(live.entries())
+        return (
+            f"{len(live.sessions)} sessions, {found} of {len(live.models)} models, "
+            f"{len(live.samplers)} samplers and {len(live.calls)} unanswered calls recovered"
+        )
+
+    def _replay(self, call: dict, verbs: dict) -> None:
+        rid = call["rid"]
+        if call["verb"] == "create_model":  # its session run was submitted: wait for it
+            self._await_start(call)
+            return
+        self._replaying.replay = rid
+        try:
+            verbs[call["verb"]](self, call["ns"], base64.b64decode(call["body"]))
+        except Exception as err:  # noqa: BLE001 - the client finds it on its future
+            failed: concurrent.futures.Future = concurrent.futures.Future()
+            failed.set_exception(err)
+            with self.lock:
+                self.futures[rid] = _Future(call["ns"], call["verb"], failed)
+        finally:
+            self._replaying.replay = None
+
+    def _await_start(self, call: dict) -> None:
+        """The future of a ``create_model`` the killed service had begun: answered once the
+        model's session run has its actor up (it was submitted before the kill)."""
+        model = self.models[call["target"]]
+
+        def wait() -> dict:
+            deadline = time.monotonic() + START_AGAIN_S
+            while model.handle is None:
+                model.handle = self.placement.find_model(model.model_id)
+                if model.handle is None:
+                    if time.monotonic() > deadline:
+                        model.ended = "it did not start after the service restarted"
+                        raise ServiceError(503, f"model {model.model_id} {model.ended}")
+                    time.sleep(1.0)
+            return {"model_id": model.model_id, "type": "create_model"}
+
+        self.submit(call["ns"], "create_model", model.worker, wait, call["rid"])
+
+    def _restore_sampler(self, e: dict) -> None:
+        sampler = _Sampler(
+            e["sampler_id"], e["ns"], e["base_model"], e["model_path"], e["model_id"], e["weights"]
+        )
+        try:
+            if e["model_path"] and e["model_id"] is None:  # a saved path on a pool model
+                _, _, folder = self.parse_path(e["ns"], e["model_path"])
+                record = self.checkpoint_record(folder)
+                lora, seed = read_tinker_lora(record["lora"])
+                target = self.sampler_pool_model(record["base_model"], lora, seed)
+                data = self.storage.read_bytes(f"{folder}/adapter.safetensors")
+                path = e["model_path"]
+                target.worker.submit(lambda: _live(target).call("add_snapshot_bytes", path, data))
+                sampler.pool = target
+            elif e["model_id"] is not None and e["model_id"] in self.models:
+                sampler.pool = self.models[e["model_id"]] if e["model_path"] else None
+        except ServiceError:
+            return  # its checkpoint was deleted meanwhile: the sampler is gone
+        self.samplers[sampler.sampler_id] = sampler
+        self.sessions[e["session_id"]].samplers.append(sampler.sampler_id)
 
     def future(self, namespace: str | None, request_id: str) -> _Future:
         with self.lock:
@@ -207,6 +377,16 @@ class TinkerService:
                 body.get("display_name"),
                 {str(k): str(v) for k, v in meta.items()},
             )
+        s = self.sessions[session_id]
+        self._note(
+            {
+                "op": "session",
+                "session_id": session_id,
+                "ns": namespace,
+                "display_name": s.display_name,
+                "meta": s.user_metadata,
+            }
+        )
         return session_id
 
     def session(self, namespace: str | None, session_id: Any, live: bool = True) -> _Session:
@@ -228,6 +408,7 @@ class TinkerService:
                 return
             session.ended = why
             models = [self.models[m] for m in session.models if m in self.models]
+        self._note({"op": "end_session", "session_id": session.session_id})
         for model in models:
             self.unload(model, why)
 
@@ -251,9 +432,11 @@ class TinkerService:
                 self.end_session(s, f"no heartbeat for {self.limits.session_ttl_s:g} s")
 
     def close(self) -> None:
+        """Stop: every session ends, unless a journal keeps them for the next service (their
+        models live on in their session runs, and end with no heartbeat past the TTL)."""
         self._stop.set()
         with self.lock:
-            sessions = list(self.sessions.values())
+            sessions = list(self.sessions.values()) if self.journal is None else []
             pool = list(self.pool.values())
         for s in sessions:
             self.end_session(s, "server stopped")
@@ -308,6 +491,16 @@ class TinkerService:
             "user_metadata": {str(k): str(v) for k, v in (meta or {}).items()},
         }
         self.storage.write_json(f"{self.run_dir(namespace, model_id)}/run.json", run)
+        self._note(
+            {
+                "op": "model",
+                "model_id": model_id,
+                "ns": namespace,
+                "session_id": session_id,
+                "base_model": base_model,
+                "lora": tinker_lora_config(lora, seed),
+            }
+        )
         spec = {
             "model_id": model_id,
             "namespace": namespace,
@@ -334,6 +527,8 @@ class TinkerService:
             if model.ended:
                 return
             model.ended = why
+        if model.session_id:  # a pool model (no session) is not in the journal
+            self._note({"op": "unload", "model_id": model.model_id})
 
         def stop() -> None:
             if model.handle is not None:
@@ -354,13 +549,19 @@ class TinkerService:
         ``namespace`` (default the model's; a shared sampling model's futures are the
         caller's)."""
 
+        request_id = self._next_request_id()
+
         def work() -> Any:
             if model.handle is None:
                 raise ServiceError(410, f"model {model.model_id} is unloaded ({model.ended})")
-            return fn(model.handle)
+            work_for(request_id)  # its model calls are keyed: a replay runs none twice
+            try:
+                return fn(model.handle)
+            finally:
+                work_for(None)
 
         try:
-            return self.submit(namespace or model.namespace, kind, model.worker, work)
+            return self.submit(namespace or model.namespace, kind, model.worker, work, request_id)
         except RuntimeError:  # the worker was shut down: the model was unloaded meanwhile
             raise ServiceError(410, f"model {model.model_id} is unloaded ({model.ended})") from None
 
@@ -473,6 +674,18 @@ class TinkerService:
         with self.lock:
             self.samplers[sampler.sampler_id] = sampler
             session.samplers.append(sampler.sampler_id)
+        self._note(
+            {
+                "op": "sampler",
+                "sampler_id": sampler.sampler_id,
+                "ns": namespace,
+                "session_id": session.session_id,
+                "base_model": sampler.base_model,
+                "model_path": sampler.model_path,
+                "model_id": sampler.model_id,
+                "weights": sampler.weights,
+            }
+        )
         return sampler.sampler_id
 
     def sampler(self, namespace: str | None, sampler_id: Any) -> _Sampler:

@@ -1,0 +1,146 @@
+"""The Tinker service's journal: what a restarted service needs to carry on its clients' loops.
+
+A client's loop must not notice that the service's process was killed and started again: its
+SDK retries a request that got no answer, and then asks for the futures it holds. So before a
+verb's future id is answered, the service writes (``write``, fsynced) what it needs to answer
+that future again: sessions, training models and sampling sessions as they are made and
+ended, and each training or sampling call whose result is a future (the raw request, its
+route and its future id). Once the client has its result, the call is marked ``done``.
+
+A restarted service reads the journal (``pending``): it makes the live sessions, models and
+samplers again (a model's weights live in its session run's Ray actor, which outlives the
+service: ``Placement.find_model``), then sends each call not done again, in the order it came,
+under its old future id. A call the actor had already run is answered from what the actor kept
+(its key is ``<future id>/<n>``: ``handles.request_key``), so nothing runs twice. The journal is
+then rewritten with only what is still live, as it is whenever it passes ``COMPACT_BYTES``.
+
+One JSON object per line in ``<folder>/journal.jsonl``; a last line cut by a crash is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FILE = "journal.jsonl"
+COMPACT_BYTES = 32 * 2**20
+
+
+@dataclass
+class Pending:
+    """What is live in a journal: entries by id, and the calls not done, in order."""
+
+    sessions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    models: dict[str, dict[str, Any]] = field(default_factory=dict)
+    samplers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def entries(self) -> list[dict[str, Any]]:
+        """The journal that holds only this."""
+        out = list(self.sessions.values()) + list(self.models.values())
+        return out + list(self.samplers.values()) + self.calls
+
+
+def pending(entries: list[dict[str, Any]]) -> Pending:
+    """What the entries leave live: sessions not ended, their models not unloaded, their
+    samplers, and the calls on those not marked done."""
+    live = Pending()
+    done = {e["rid"] for e in entries if e["op"] == "done"}
+    for e in entries:
+        op = e["op"]
+        if op == "session":
+            live.sessions[e["session_id"]] = e
+        elif op == "end_session":
+            live.sessions.pop(e["session_id"], None)
+        elif op == "model":
+            live.models[e["model_id"]] = e
+        elif op == "unload":
+            live.models.pop(e["model_id"], None)
+        elif op == "sampler":
+            live.samplers[e["sampler_id"]] = e
+        elif op == "call" and e["rid"] not in done:
+            live.calls.append(e)
+    live.models = {k: m for k, m in live.models.items() if m["session_id"] in live.sessions}
+    live.samplers = {k: s for k, s in live.samplers.items() if s["session_id"] in live.sessions}
+    targets = live.models.keys() | live.samplers.keys()
+    live.calls = [c for c in live.calls if c["target"] in targets]
+    return live
+
+
+class Journal:
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / FILE
+        self._lock = threading.Lock()
+        self._drop_torn_tail()
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+    def _drop_torn_tail(self) -> None:
+        """Cut what follows the last whole entry (a write cut by a crash), so that what is
+        appended next reads."""
+        if not self.path.exists():
+            return
+        good = 0
+        with open(self.path, "rb") as f:
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break
+                try:
+                    json.loads(line)
+                except ValueError:
+                    break
+                good += len(line)
+        if good != self.path.stat().st_size:
+            with open(self.path, "r+b") as f:
+                f.truncate(good)
+
+    def write(self, entry: dict[str, Any]) -> None:
+        """Append ``entry`` (fsynced); past ``COMPACT_BYTES`` the journal is first rewritten
+        with only what is live (what the clients have taken goes)."""
+        line = json.dumps(entry, separators=(",", ":")) + "\n"
+        with self._lock:
+            if self._file.tell() > COMPACT_BYTES:
+                self._rewrite(pending(self._read()).entries())
+            self._file.write(line)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def read(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return self._read()
+
+    def _read(self) -> list[dict[str, Any]]:
+        entries = []
+        with open(self.path, "rb") as f:
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break  # cut by a crash mid-write: that entry was never answered
+                try:
+                    entries.append(json.loads(line))
+                except ValueError:
+                    break
+        return entries
+
+    def rewrite(self, entries: list[dict[str, Any]]) -> None:
+        """Replace the journal by ``entries`` (atomically)."""
+        with self._lock:
+            self._rewrite(entries)
+
+    def _rewrite(self, entries: list[dict[str, Any]]) -> None:
+        tmp = self.folder / f".{FILE}.tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(json.dumps(e, separators=(",", ":")) + "\n" for e in entries)
+            f.flush()
+            os.fsync(f.fileno())
+        self._file.close()
+        os.replace(tmp, self.path)
+        self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
