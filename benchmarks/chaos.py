@@ -114,18 +114,24 @@ def kill(state, name: str, jobs: dict[str, str]) -> tuple[str, dict | None]:
     from flowrl.infra import stack
     from flowrl.infra.client import JobClient
 
-    if name == "job":
+    if name == "job":  # the first job found RUNNING (waiting up to 3 minutes for one)
+        from uuid import UUID
+
+        from prefect import get_client
+
         client = JobClient()
-        for run_id in jobs.values():
-            if client.status(run_id).state == "RUNNING":
-                from uuid import UUID
-
-                from prefect import get_client
-
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            for run_id in jobs.values():
+                if client.status(run_id).state != "RUNNING":
+                    continue
                 with get_client(sync_client=True) as c:
-                    pid = str(c.read_flow_run(UUID(run_id)).infrastructure_pid).rsplit(":", 1)[-1]
-                os.kill(int(pid), signal.SIGKILL)
-                return f"job {run_id[:8]} (pid {pid})", None
+                    infra = c.read_flow_run(UUID(run_id)).infrastructure_pid
+                if infra:
+                    pid = str(infra).rsplit(":", 1)[-1]
+                    os.kill(int(pid), signal.SIGKILL)
+                    return f"job {run_id[:8]} (pid {pid})", None
+            time.sleep(2.0)
         return "job (none running)", None
     before = stack.component_status(state)[name]
     pid = before["pid"]

@@ -204,6 +204,7 @@ class Settings(BaseSettings):
         # The ephemeral API's first start migrates its database: ~15 s alone, more on a busy box.
         os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # see infra/stack_programs.py
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 

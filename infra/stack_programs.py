@@ -94,6 +94,9 @@ def layout(home: Path, pg: Postgres, gpus: int, ray: bool, pool: str) -> Layout:
         "FLOWRL_HOME": str(settings.resolved_home),
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "RAY_USAGE_STATS_ENABLED": "0",
+        # MLflow's telemetry sets and unsets a variable of os.environ from its own thread: a
+        # request iterating the environment meanwhile failed with a KeyError (a job FAILED).
+        "MLFLOW_DISABLE_TELEMETRY": "true",
         # Admission matches placement: the pool's GPU slots are the GPUs the Ray head offers,
         # so a job asking for more is refused at submission instead of waiting forever.
         "FLOWRL_POOL_GPUS": str(gpus),
