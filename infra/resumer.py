@@ -6,8 +6,10 @@ killed inside the trigger's window, or a job's process died while the server was
 heartbeat went missing *while it watched*) is never acted on. Every ``PASS_SECONDS`` this loop
 asks the Prefect API, as a user would:
 
-- a flow run tagged ``RESUME_TAG`` that is RUNNING while its process (the worker's
-  ``infrastructure_pid``, on this machine) is gone, on two passes in a row, is marked CRASHED;
+- a flow run tagged ``RESUME_TAG`` that is RUNNING or PENDING while its process (the
+  worker's ``infrastructure_pid``, on this machine) is gone, or PENDING for
+  ``PENDING_SECONDS`` with none (its worker was killed as it started it), on two passes in a
+  row, is marked CRASHED;
 - a flow run tagged ``RESUME_TAG`` that has been CRASHED for ``GRACE_SECONDS`` (the automation
   had its chance) and has run fewer than ``max_attempts`` times is scheduled again
   (``AwaitingRetry``), exactly as the automation would have done.
@@ -30,6 +32,8 @@ import httpx
 PASS_SECONDS = 15.0
 GRACE_SECONDS = 30.0
 """How long a run stays CRASHED before the resumer acts (the automation acts after 10 s)."""
+PENDING_SECONDS = 180.0
+"""A run PENDING this long with no process (its worker died as it started it) is stuck."""
 WINDOW = timedelta(hours=24)
 """Crashes older than this are left alone (a person may have given up on them)."""
 
@@ -89,19 +93,24 @@ class Resumer:
         now = now or datetime.now(UTC)
         done = []
         gone_now = set()
-        for run in self.runs("RUNNING"):
-            if not _process_gone(run.get("infrastructure_pid")):
+        for run in self.runs("RUNNING") + self.runs("PENDING"):
+            kind = run["state"]["type"]
+            pid = run.get("infrastructure_pid")
+            if pid:
+                gone = _process_gone(pid)
+            else:  # a worker killed as it started the run: it never got a process
+                gone = kind == "PENDING" and _age_s(run["state"], now) > PENDING_SECONDS
+            if not gone:
                 continue
             gone_now.add(run["id"])
             if run["id"] in self._gone_once:  # gone on the pass before too: not a race
+                what = f"pid {pid}" if pid else f"none after {PENDING_SECONDS:.0f} s"
                 message = (
-                    f"flowrl: the job's process (pid {run['infrastructure_pid']}) is gone "
-                    "(seen by the stack's resumer)"
+                    f"flowrl: the job's process ({what}) is gone (seen by the stack's resumer)"
                 )
-                self.set_state(
-                    run["id"], {"type": "CRASHED", "name": "Crashed", "message": message}
-                )
-                done.append(f"{run['name']}: RUNNING with its process gone -> CRASHED")
+                crashed = {"type": "CRASHED", "name": "Crashed", "message": message}
+                self.set_state(run["id"], crashed)
+                done.append(f"{run['name']}: {kind} with its process gone -> CRASHED")
         self._gone_once = gone_now
         for run in self.runs("CRASHED"):
             age = _age_s(run["state"], now)

@@ -822,7 +822,7 @@ def test_the_resumer_catches_what_the_automation_missed(stack_env):
 
     import httpx
     from prefect import flow, get_client
-    from prefect.states import Running
+    from prefect.states import Pending, Running
 
     from flowrl.infra import resumer
 
@@ -837,6 +837,9 @@ def test_the_resumer_catches_what_the_automation_missed(stack_env):
     with get_client(sync_client=True) as c:
         run = c.create_flow_run(probe, name="resumer-probe", tags=[tag], state=Running())
         c.update_flow_run(run.id, infrastructure_pid=str(gone.pid))
+        # One its worker started as it was killed: PENDING, its process gone.
+        starting = c.create_flow_run(probe, name="resumer-start", tags=[tag], state=Pending())
+        c.update_flow_run(starting.id, infrastructure_pid=str(gone.pid))
 
     def state_of() -> tuple[str, str, str]:
         with get_client(sync_client=True) as c:
@@ -846,17 +849,25 @@ def test_the_resumer_catches_what_the_automation_missed(stack_env):
     with httpx.Client(base_url=stack_env.env["PREFECT_API_URL"], trust_env=False) as api:
         patient = resumer.Resumer(api, tag, max_attempts=3)
         assert patient.one_pass() == []  # gone at a first look: maybe a race, look again
-        assert patient.one_pass() == ["resumer-probe: RUNNING with its process gone -> CRASHED"]
+        assert patient.one_pass() == [
+            "resumer-probe: RUNNING with its process gone -> CRASHED",
+            "resumer-start: PENDING with its process gone -> CRASHED",
+        ]
         kind, _, message = state_of()
         assert kind == "CRASHED" and f"pid {gone.pid}" in message, message
         assert patient.one_pass() == []  # within the automation's window: its turn
         with get_client(sync_client=True) as c:
-            runs_so_far = c.read_flow_run(run.id).run_count
-        capped = resumer.Resumer(api, tag, max_attempts=runs_so_far)
+            counts = {
+                r.name: r.run_count for r in (c.read_flow_run(run.id), c.read_flow_run(starting.id))
+            }
+        cap = counts["resumer-probe"]  # the runs under it are scheduled, the others not
+        capped = resumer.Resumer(api, tag, max_attempts=cap)
         later = datetime.now(UTC) + timedelta(seconds=resumer.GRACE_SECONDS + 1)
-        assert capped.one_pass(now=later) == []  # the cap is reached
-        (line,) = patient.one_pass(now=later)
-    assert line.startswith("resumer-probe: CRASHED") and line.endswith("scheduled again")
+        first = capped.one_pass(now=later)
+        assert {line.split(":")[0] for line in first} == {n for n, k in counts.items() if k < cap}
+        rest = patient.one_pass(now=later)
+    assert all(line.endswith("scheduled again") for line in first + rest), first + rest
+    assert len(first + rest) == 2  # each once
     assert state_of()[:2] == ("SCHEDULED", "AwaitingRetry")
 
 
