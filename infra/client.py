@@ -65,6 +65,17 @@ def _job_name(parameters: dict[str, Any]) -> str | None:
     return getattr(config, "name", None)
 
 
+def _api_restarting(err: BaseException) -> bool:
+    """``err`` says the Prefect API is down or failing for now (it is being restarted, or its
+    database is), not that the request was wrong."""
+    import httpx
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    if isinstance(err, httpx.TransportError):
+        return True
+    return isinstance(err, PrefectHTTPStatusError) and err.response.status_code >= 500
+
+
 class JobClient:
     """Jobs on the Prefect API of the environment (``PREFECT_API_URL``)."""
 
@@ -185,9 +196,17 @@ class JobClient:
         return self.status(run_id)
 
     def wait(self, run_id: str, timeout: float = 3600, poll: float = 1.0) -> JobStatus:
+        """Poll until the job is final (through a crash being resumed, and through the Prefect
+        API restarting: a refused connection or a 5xx is asked again)."""
         deadline = time.monotonic() + timeout
         while True:
-            status = self.status(run_id)
+            try:
+                status = self.status(run_id)
+            except Exception as err:
+                if not _api_restarting(err) or time.monotonic() > deadline:
+                    raise
+                time.sleep(max(poll, 2.0))
+                continue
             if status.final:
                 return status
             if time.monotonic() > deadline:
