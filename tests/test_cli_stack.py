@@ -182,3 +182,24 @@ def test_stack_up_with_a_component_missing_is_one_line_naming_its_install(bare_u
         "install flowrl's dependencies with `make setup`"
     ]
     assert _files(root / "cwd") == []  # nothing started, nothing written
+
+
+def test_jobs_wait_asks_again_while_the_prefect_api_restarts():
+    """``JobClient.wait`` polls on through a refused connection or a 5xx (the API or its
+    database restarting, as supervisord brings them back), not through a 4xx."""
+    import httpx
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    from flowrl.infra.client import _api_restarting
+
+    request = httpx.Request("GET", "http://127.0.0.1:1/api/flow_runs/x")
+
+    def answered(code: int) -> PrefectHTTPStatusError:
+        response = httpx.Response(code, request=request)
+        return PrefectHTTPStatusError.from_httpx_error(
+            httpx.HTTPStatusError("status", request=request, response=response)
+        )
+
+    assert _api_restarting(httpx.ConnectError("refused", request=request))
+    assert _api_restarting(answered(500)) and _api_restarting(answered(503))
+    assert not _api_restarting(answered(404)) and not _api_restarting(ValueError("bad id"))
