@@ -38,6 +38,27 @@ STALL_S = 10.0
 logger = logging.getLogger("flowrl.outbox")
 
 
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON lines of ``path`` written whole: a last line cut by a crash mid-write was never
+    put, so it is cut from the file too, and what is appended next reads."""
+    if not path.exists():
+        return []
+    records, good = [], 0
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.endswith(b"\n"):
+                break
+            try:
+                records.append(json.loads(line))
+            except ValueError:
+                break
+            good += len(line)
+    if good != path.stat().st_size:
+        with open(path, "r+b") as f:
+            f.truncate(good)
+    return records
+
+
 class Retryable(Exception):
     """``deliver`` could not reach its server: try the same records again later."""
 
@@ -199,25 +220,7 @@ class Outbox:
     # ------------------------------------------------------------------ the files
 
     def _read_records(self) -> list[dict[str, Any]]:
-        """The records put before (a last line cut by a crash mid-write was never put: it is
-        dropped from the file, so what is appended next stays readable)."""
-        path = self.folder / RECORDS
-        if not path.exists():
-            return []
-        records, good = [], 0
-        with open(path, "rb") as f:
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break
-                try:
-                    records.append(json.loads(line))
-                except ValueError:
-                    break
-                good += len(line)
-        if good != path.stat().st_size:
-            with open(path, "r+b") as f:
-                f.truncate(good)
-        return records
+        return read_records(self.folder / RECORDS)
 
     def _read_sent(self) -> int:
         try:

@@ -14,20 +14,22 @@ asks the Prefect API, as a user would:
   had its chance) and has run fewer than ``max_attempts`` times is scheduled again
   (``AwaitingRetry``), exactly as the automation would have done.
 
-It runs under the stack's supervisor (``flowrl stack up``); it needs only ``httpx``.
+It runs under the stack's supervisor (``flowrl stack up``); it talks to the API with ``httpx``
+(no Prefect import).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
+
+from flowrl.infra.supervise import alive
 
 PASS_SECONDS = 15.0
 GRACE_SECONDS = 30.0
@@ -46,21 +48,12 @@ def _age_s(state: dict[str, Any], now: datetime) -> float:
 
 
 def _process_gone(infrastructure_pid: Any) -> bool:
-    """The worker's process id of a run names no process of this machine (a pid we may not
-    signal is alive)."""
+    """The worker's process id of a run names no process of this machine."""
     try:
         pid = int(str(infrastructure_pid).rsplit(":", 1)[-1])
     except (TypeError, ValueError):
         return False
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
+    return pid > 0 and not alive(pid)
 
 
 class Resumer:

@@ -238,6 +238,8 @@ def alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
+    except PermissionError:  # another user's: it exists
+        return True
     return True
 
 

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flowrl.infra.outbox import read_records
+
 FILE = "journal.jsonl"
 COMPACT_BYTES = 32 * 2**20
 
@@ -77,27 +79,8 @@ class Journal:
         self.folder.mkdir(parents=True, exist_ok=True)
         self.path = folder / FILE
         self._lock = threading.Lock()
-        self._drop_torn_tail()
+        read_records(self.path)  # a last entry cut by a crash is cut from the file
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
-
-    def _drop_torn_tail(self) -> None:
-        """Cut what follows the last whole entry (a write cut by a crash), so that what is
-        appended next reads."""
-        if not self.path.exists():
-            return
-        good = 0
-        with open(self.path, "rb") as f:
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break
-                try:
-                    json.loads(line)
-                except ValueError:
-                    break
-                good += len(line)
-        if good != self.path.stat().st_size:
-            with open(self.path, "r+b") as f:
-                f.truncate(good)
 
     def write(self, entry: dict[str, Any]) -> None:
         """Append ``entry`` (fsynced); past ``COMPACT_BYTES`` the journal is first rewritten
@@ -115,16 +98,7 @@ class Journal:
             return self._read()
 
     def _read(self) -> list[dict[str, Any]]:
-        entries = []
-        with open(self.path, "rb") as f:
-            for line in f:
-                if not line.endswith(b"\n"):
-                    break  # cut by a crash mid-write: that entry was never answered
-                try:
-                    entries.append(json.loads(line))
-                except ValueError:
-                    break
-        return entries
+        return read_records(self.path)
 
     def rewrite(self, entries: list[dict[str, Any]]) -> None:
         """Replace the journal by ``entries`` (atomically)."""
