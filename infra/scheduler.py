@@ -120,11 +120,26 @@ def check_admission(gpus: int, pool_gpus: int, limit_name: str = "gpu") -> None:
 
 
 def base_job_template(pool_type: str) -> dict[str, Any]:
+    """The pool's base job template: flowrl's for Kubernetes; for a process pool, Prefect's
+    with ``stream_output`` off by default. A flow-run process whose output streams through a
+    pipe to its worker dies with the worker (a broken pipe at its next line), a SIGKILLed or
+    restarted worker taking its running jobs with it; its lines are in the run's Prefect log
+    either way (``flowrl jobs logs``). A deployment may still set ``stream_output: true``."""
     if pool_type == "kubernetes":
         return json.loads(K8S_TEMPLATE.read_text())
     from prefect.workers.process import ProcessWorker
 
-    return ProcessWorker.get_default_base_job_template()
+    template = ProcessWorker.get_default_base_job_template()
+    template["variables"]["properties"]["stream_output"]["default"] = False
+    return template
+
+
+def _stock_process_template(template: dict[str, Any]) -> bool:
+    """``template`` is Prefect's own process template, untouched (a pool flowrl made before
+    ``stream_output`` was off): flowrl may replace it."""
+    from prefect.workers.process import ProcessWorker
+
+    return template == ProcessWorker.get_default_base_job_template()
 
 
 async def apply_scheduler(spec: SchedulerSpec) -> list[str]:
@@ -142,8 +157,10 @@ async def apply_scheduler(spec: SchedulerSpec) -> list[str]:
     async with get_client() as client:
         pool = spec.pool
         try:
-            await client.read_work_pool(pool.name)
+            existing_pool = await client.read_work_pool(pool.name)
             update = WorkPoolUpdate(concurrency_limit=pool.concurrency_limit)
+            if pool.type == "process" and _stock_process_template(existing_pool.base_job_template):
+                update.base_job_template = base_job_template(pool.type)
             await client.update_work_pool(pool.name, update)
             done.append(f"work pool {pool.name}: updated (limit {pool.concurrency_limit})")
         except ObjectNotFound:

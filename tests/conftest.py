@@ -51,10 +51,17 @@ if "FLOWRL_MODEL_CACHE" not in os.environ:
 
 # `flowrl stack up` writes a pointer to its stack in the user's config folder: the suite's
 # stacks write theirs in a temp folder of the run, never in the developer's ~/.config.
+# Each xdist worker has a folder of its own in it: a stack another worker started must not
+# take the pointer that this worker's `flowrl stack status` follows.
 _OWN_CONFIG_DIR = None
 if "FLOWRL_CONFIG_DIR" not in os.environ:
     _OWN_CONFIG_DIR = tempfile.mkdtemp(prefix="flowrl-config-")
     os.environ["FLOWRL_CONFIG_DIR"] = _OWN_CONFIG_DIR
+    os.environ["FLOWRL_TEST_CONFIG_ROOT"] = _OWN_CONFIG_DIR
+if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("FLOWRL_TEST_CONFIG_ROOT"):
+    os.environ["FLOWRL_CONFIG_DIR"] = os.path.join(
+        os.environ["FLOWRL_TEST_CONFIG_ROOT"], os.environ["PYTEST_XDIST_WORKER"]
+    )
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -203,6 +204,9 @@ def test_an_actor_that_fails_to_start_is_the_jobs_error_a_killed_one_the_platfor
         def ping(self) -> str:
             return "pong"
 
+        def pid(self) -> int:
+            return os.getpid()
+
     with pytest.raises(ray.exceptions.RayActorError) as failed:
         ray.get(Broken.remote().ping.remote(), timeout=60)
     assert infrastructure_fault(failed.value) is None
@@ -210,7 +214,11 @@ def test_an_actor_that_fails_to_start_is_the_jobs_error_a_killed_one_the_platfor
 
     fine = Fine.remote()
     assert ray.get(fine.ping.remote(), timeout=60) == "pong"
-    ray.kill(fine)
+    # SIGKILLed under the job, as the OOM killer would; the next calls fail once Ray has seen
+    # the death (a call that was on its way as the process died may still have its answer).
+    os.kill(ray.get(fine.pid.remote(), timeout=60), signal.SIGKILL)
     with pytest.raises(ray.exceptions.RayActorError) as killed:
-        ray.get(fine.ping.remote(), timeout=60)
+        for _ in range(300):
+            ray.get(fine.ping.remote(), timeout=60)
+            time.sleep(0.1)
     assert infrastructure_fault(killed.value).startswith("Ray lost the job's workers")
