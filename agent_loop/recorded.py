@@ -1,5 +1,5 @@
 """Training trajectories from an agent's recorded requests (agents that call an endpoint,
-``backends.openai_api.sessions``), never from text the agent sends back.
+``backends.services.openai_api.sessions``), never from text the agent sends back.
 
 Each request of a rollout session is recorded as a ``Turn``: the prompt's token ids as the
 endpoint rendered them, and the completion's token ids and log-probs as they were sampled.

@@ -1,6 +1,6 @@
 """Deterministic seeds from content (``stable_hash``, ``derived_seed``) and a sampler that seeds
 call k with (base, k), so a retried step re-samples the same tokens, wherever its episodes are
-played (the job's process or the sampler's own: ``backends.episodes``)."""
+played (the job's process or the sampler's own: ``backends.engines.episodes``)."""
 
 from __future__ import annotations
 

@@ -11,10 +11,10 @@ from flowrl.infra.configfile import STRICT_MODEL_CONFIG
 
 Precision = Literal["auto", "float32", "bfloat16"]
 """``resources.dtype`` / ``WorkerSpec.dtype``; auto = bfloat16 on CUDA, float32 elsewhere
-(``backends.precision``)."""
+(``backends.models.precision``)."""
 
-# The names ``backends.algorithms`` registers, for validating configs where torch is not imported
-# (the flow's process); tests/test_algorithms.py checks they equal the registries' keys.
+# The names ``backends.engines.algorithms`` registers, for validating configs where torch is not
+# imported (the flow's process); tests/test_algorithms.py checks they equal the registries' keys.
 ADVANTAGE_NAMES = ("grpo", "dr_grpo", "rloo", "reinforce_pp")
 POLICY_LOSS_NAMES = ("ppo_clip", "cispo", "gspo")
 LOSS_AGGREGATION_NAMES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
@@ -47,7 +47,7 @@ UNEMBED_MODULES = ("lm_head",)
 
 class LoraSettings(BaseModel, title="LoRA"):
     """LoRA adapter settings (peft), of a job's policy (``model.lora``) and of a Tinker API
-    training model alike (``tinker.types.tinker_lora``: the Tinker SDK's ``LoraConfig`` as
+    training model alike (``engines.tinker.types.tinker_lora``: the Tinker SDK's ``LoraConfig`` as
     these). Disabled means full-parameter training."""
 
     model_config = STRICT_MODEL_CONFIG
@@ -82,7 +82,7 @@ class WorkerSpec(BaseModel):
     dtype: Precision = Field(
         default="auto",
         description="Compute precision (auto = bfloat16 on CUDA, float32 on CPU); the trainer "
-        "keeps float32 master weights (backends.precision).",
+        "keeps float32 master weights (backends.models.precision).",
     )
 
 
@@ -98,7 +98,7 @@ class JobTenancy:
 @dataclass(frozen=True)
 class ModelTenancy:
     """A Tinker API training model's tenancy of a shared base-model worker: one LoRA adapter
-    with its AdamW and RNG on the worker's base (``backends.tinker.engine.TinkerModel``);
+    with its AdamW and RNG on the worker's base (``backends.engines.tinker.model.TinkerModel``);
     called with the role ``model``."""
 
     lora: LoraSettings

@@ -270,7 +270,7 @@ def run(args, state, home: Path, up_s: float, deadline: float) -> int:
 
 
 def tables(state, home, jobs, finals, recovery, traffic, tinker_rc, up_s) -> str:
-    from flowrl.backends.model_uri import resolve_model_uri
+    from flowrl.backends.models.model_uri import resolve_model_uri
     from flowrl.infra import tracking
     from flowrl.infra.storage import Storage, load_latest_checkpoint
 

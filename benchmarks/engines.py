@@ -110,7 +110,7 @@ def build_model(size: str, home: Path) -> tuple[str, int]:
     """The size's random-weight model folder and its parameter count (tied embeddings once)."""
     from safetensors import safe_open
 
-    from flowrl.backends.tiny_model import TinyModelSpec, build_tiny_model
+    from flowrl.backends.models.tiny_model import TinyModelSpec, build_tiny_model
 
     folder = build_tiny_model(TinyModelSpec(**SIZES[size].model), str(home / size))
     params = 0
@@ -123,7 +123,7 @@ def build_model(size: str, home: Path) -> tuple[str, int]:
 def chat_prompts(folder: str, count: int) -> list[list[int]]:
     """``count`` distinct chat prompts of the arithmetic environment (system prompt + one
     3-digit problem: ~20 tokens)."""
-    from flowrl.backends.chat import HFChatFormat
+    from flowrl.backends.models.chat import HFChatFormat
     from flowrl.environments.arithmetic import ArithmeticTask
 
     chat = HFChatFormat.from_folder(folder)
@@ -148,8 +148,8 @@ def mismatch(ref: Any, prompts: list[list[int]], results: list[Any]) -> tuple[fl
     """(mismatch-KL per sampled token, max |trainer − engine| log-prob) of one call's samples."""
     import torch
 
-    from flowrl.backends.actors import trainer
-    from flowrl.backends.algorithms import mismatch_kl
+    from flowrl.backends.engines.algorithms import mismatch_kl
+    from flowrl.backends.policy.actors import trainer
     from flowrl.backends.types import Datum
 
     data = [
@@ -173,7 +173,7 @@ def mismatch(ref: Any, prompts: list[list[int]], results: list[Any]) -> tuple[fl
 
 def measure(result: Result, folder: str, prompts: list[list[int]], repeats: int) -> None:
     """Start one policy of ``result``'s engine, fill in ``result``'s figures, stop it."""
-    from flowrl.backends.actors import sampler, start_policy, stop_policy, sync_weights
+    from flowrl.backends.policy.actors import sampler, start_policy, stop_policy, sync_weights
     from flowrl.backends.types import WorkerSpec
 
     spec = WorkerSpec(

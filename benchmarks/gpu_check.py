@@ -58,9 +58,9 @@ if importlib.util.find_spec("flowrl.backends") is None:  # a checkout that is no
 import torch  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
-from flowrl.backends.algorithms import mismatch_kl  # noqa: E402
-from flowrl.backends.chat import HFChatFormat  # noqa: E402
-from flowrl.backends.hf_workers import HFSampler, TorchTrainer  # noqa: E402
+from flowrl.backends.engines.algorithms import mismatch_kl  # noqa: E402
+from flowrl.backends.engines.hf_workers import HFSampler, TorchTrainer  # noqa: E402
+from flowrl.backends.models.chat import HFChatFormat  # noqa: E402
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec  # noqa: E402
 from tests.families import FAMILIES, build_family  # noqa: E402
 
@@ -251,7 +251,7 @@ def deepspeed_section(setup: Setup) -> list[str]:
         ]
     if importlib.util.find_spec("deepspeed") is None:
         return ["skipped: deepspeed is not importable here"]
-    from flowrl.backends.deepspeed_trainer import DeepSpeedTrainer
+    from flowrl.backends.engines.deepspeed_trainer import DeepSpeedTrainer
 
     fresh_start(setup.device)
     spec = setup.spec("full", "bfloat16")
@@ -271,7 +271,7 @@ def vllm_section(setup: Setup) -> list[str]:
         return ["skipped: the vLLM sampler needs CUDA"]
     if importlib.util.find_spec("vllm") is None:
         return ["skipped: vllm is not importable here"]
-    from flowrl.backends.vllm_sampler import VLLMSampler
+    from flowrl.backends.engines.vllm_sampler import VLLMSampler
 
     fresh_start(setup.device)
     spec = setup.spec("full", "bfloat16")

@@ -37,8 +37,8 @@ TENANTS, PROMPTS, GROUP, TOKENS, ROUNDS = 4, 8, 4, 24, 6
 
 
 def measure(size: str, folder: str) -> dict[str, float]:
-    from flowrl.backends.shared_worker import SharedWorker, _Sampling
-    from flowrl.backends.tiny_model import TinyModelSpec, build_tiny_model
+    from flowrl.backends.engines.shared_worker import SharedWorker, _Sampling
+    from flowrl.backends.models.tiny_model import TinyModelSpec, build_tiny_model
     from flowrl.backends.types import Datum, LoraSettings, WorkerSpec
 
     path = build_tiny_model(TinyModelSpec(**SIZES[size]), f"{folder}/{size}")

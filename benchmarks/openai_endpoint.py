@@ -93,7 +93,7 @@ def local_side(folder: str, messages: list[list[dict]], n: int, tokens: int) -> 
     """(latency s, sampled tokens) of each request sampled in this process."""
     import torch
 
-    from flowrl.backends.openai_api.service import OpenAIService
+    from flowrl.backends.services.openai_api.service import OpenAIService
 
     torch.set_num_threads(THREADS)
     service = OpenAIService(catalogue={"bench": folder}, storage_url=tempfile.mkdtemp())

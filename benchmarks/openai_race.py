@@ -465,8 +465,8 @@ def register_version(home: Path) -> str:
     """Register the catalogue's tiny model as version 1 of alice's ``race`` in ``home``'s MLflow
     (what a training job of hers registers, without the training); returns its MLflow URI."""
     with _environment(**_home_environment(home) | {"FLOWRL_NAMESPACE": "alice"}):
-        from flowrl.backends.mlflow_model import save_chat_model
-        from flowrl.backends.tinker.checkpoints import resolve_base_model
+        from flowrl.backends.models.mlflow_model import save_chat_model
+        from flowrl.backends.models.tinker_checkpoints import resolve_base_model
         from flowrl.infra import tracking
         from flowrl.infra.settings import get_settings, scoped_model_name
 

@@ -28,9 +28,9 @@ from trl_compare import SIZES  # same folder
 def measure(size: str, repeats: int, home: Path) -> dict[str, Any]:
     import torch
 
-    from flowrl.backends import hf_workers
-    from flowrl.backends.chat import HFChatFormat
-    from flowrl.backends.tiny_model import build_tiny_model
+    from flowrl.backends.engines import hf_workers
+    from flowrl.backends.models.chat import HFChatFormat
+    from flowrl.backends.models.tiny_model import build_tiny_model
     from flowrl.backends.types import WorkerSpec
     from flowrl.tasks.schemas import load_job
 

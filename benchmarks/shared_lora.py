@@ -44,9 +44,9 @@ def child(size: str, setup: str, home: str) -> dict:
     import psutil
     import torch
 
-    from flowrl.backends.tinker.engine import SharedBase, TinkerModel
-    from flowrl.backends.tinker.types import Datum, tinker_lora
-    from flowrl.backends.tiny_model import TinyModelSpec, build_tiny_model
+    from flowrl.backends.engines.tinker.model import SharedBase, TinkerModel
+    from flowrl.backends.engines.tinker.types import Datum, tinker_lora
+    from flowrl.backends.models.tiny_model import TinyModelSpec, build_tiny_model
 
     torch.set_num_threads(1)
     spec = TinyModelSpec(**SIZES[size], max_position_embeddings=64)

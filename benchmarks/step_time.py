@@ -136,7 +136,7 @@ def run_orchestrated(config: Any) -> tuple[Series, dict[str, float]]:
 
 def run_plain(config: Any) -> tuple[Series, dict[str, float]]:
     """The same steps with the stages' plain functions and in-process workers (s)."""
-    from flowrl.backends.actors import start_policy, stop_policy
+    from flowrl.backends.policy.actors import start_policy, stop_policy
     from flowrl.backends.types import WorkerSpec
     from flowrl.infra.settings import get_settings
     from flowrl.tasks.model import prepare_model, warmup

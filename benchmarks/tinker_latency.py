@@ -78,9 +78,9 @@ def measure(calls: int, warmup: int, block: int, home: Path) -> dict[str, dict[s
     from tinker import ServiceClient
     from tinker import types as tt
 
-    from flowrl.backends.tinker.checkpoints import resolve_base_model
-    from flowrl.backends.tinker.engine import TinkerModel
-    from flowrl.backends.tinker.types import Datum, SampleParams, tinker_lora
+    from flowrl.backends.engines.tinker.model import TinkerModel
+    from flowrl.backends.engines.tinker.types import Datum, SampleParams, tinker_lora
+    from flowrl.backends.models.tinker_checkpoints import resolve_base_model
     from flowrl.infra.settings import get_settings
 
     torch.set_num_threads(1)

@@ -210,9 +210,9 @@ def trl_side(
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from flowrl.backends.actors import start_policy, stop_policy
-    from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
-    from flowrl.backends.model_uri import resolve_model_uri
+    from flowrl.backends.models.model_folder import load_causal_lm, load_tokenizer
+    from flowrl.backends.models.model_uri import resolve_model_uri
+    from flowrl.backends.policy.actors import start_policy, stop_policy
     from flowrl.backends.types import WorkerSpec
     from flowrl.infra.settings import get_settings
     from flowrl.tasks.chat_formats import chat_format

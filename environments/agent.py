@@ -3,7 +3,7 @@
 The user's agent is a function, written with the ``openai`` client or any framework on top of
 it, that plays one episode of a task and returns its outcome. flowrl calls it once per episode
 with an ``AgentRollout``: an OpenAI base URL and key bound to this episode's rollout session
-(``backends.openai_api.sessions``), the task row, and the task's opening (system prompt and
+(``backends.services.openai_api.sessions``), the task row, and the task's opening (system prompt and
 first user message). Every request the agent makes there is sampled by the job's policy and
 recorded as tokens; the training trajectories are built from those records
 (``agent_loop.recorded``), never from text the agent sends back.

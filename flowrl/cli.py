@@ -224,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "eval":
         return _eval(config, args.verbose)
-    from flowrl.backends.chat import check_chat_template
-    from flowrl.backends.model_uri import check_model_source
+    from flowrl.backends.models.chat import check_chat_template
+    from flowrl.backends.models.model_uri import check_model_source
 
     try:  # before any server or worker starts
         check_model_source(config.model.source)
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         check_chat_template(model.source, model.chat_format, model.tool_messages, task)
         resources = getattr(config, "resources", None)
         if resources is not None and resources.sampler_backend != "hf":
-            from flowrl.backends.actors import SAMPLER_BACKENDS, backend_runtime_env
+            from flowrl.backends.policy.actors import SAMPLER_BACKENDS, backend_runtime_env
 
             backend_runtime_env(SAMPLER_BACKENDS[resources.sampler_backend])
     except ValueError as err:
@@ -302,7 +302,7 @@ def _eval(config, verbose: bool) -> int:
 def _serve_tinker(argv: list[str]) -> None:
     """``flowrl serve tinker``: the keys checked before anything starts, then the placement the
     flags ask for, then the service until interrupted."""
-    from flowrl.backends.tinker import server
+    from flowrl.backends.services.tinker import server
     from flowrl.infra.settings import get_settings
 
     args = server.parse_args(argv)
@@ -317,7 +317,7 @@ def _serve_tinker(argv: list[str]) -> None:
 def _serve_openai(argv: list[str]) -> None:
     """``flowrl serve openai``: the keys checked before anything starts, then the endpoint
     until interrupted."""
-    from flowrl.backends.openai_api import server
+    from flowrl.backends.services.openai_api import server
     from flowrl.infra.settings import get_settings
 
     args = server.command_parser().parse_args(argv)
@@ -335,7 +335,7 @@ def _session_runs():
 
 
 def _tinker(args) -> int:
-    from flowrl.backends.tinker.checkpoints import resolve_base_model
+    from flowrl.backends.models.tinker_checkpoints import resolve_base_model
     from flowrl.infra.settings import get_settings
 
     settings = get_settings()
@@ -360,7 +360,7 @@ def _tinker(args) -> int:
             f"flowrl: unknown base model {args.name!r} (have: {sorted(catalogue)})", file=sys.stderr
         )
         return 2
-    from flowrl.backends.model_folder import load_tokenizer
+    from flowrl.backends.models.model_folder import load_tokenizer
 
     load_tokenizer(
         resolve_base_model(catalogue[args.name], settings.model_cache_dir)

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from prefect import flow
 from prefect.artifacts import create_table_artifact
 
-from flowrl.backends.actors import stop_policy
-from flowrl.backends.model_uri import check_model_source, pin_model_uri
+from flowrl.backends.models.model_uri import check_model_source, pin_model_uri
+from flowrl.backends.policy.actors import stop_policy
 from flowrl.flows.lifecycle import JobRun, resumable, task_runner
 from flowrl.flows.run_page import job_run_name
 from flowrl.infra import tracking

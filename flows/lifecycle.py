@@ -22,8 +22,10 @@ from prefect.runtime import deployment, flow_run
 from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ThreadPoolTaskRunner
 
-from flowrl.backends import live
-from flowrl.backends.actors import (
+from flowrl.backends.models.lora_export import lora_export
+from flowrl.backends.models.model_uri import resolve_model_uri
+from flowrl.backends.policy import live
+from flowrl.backends.policy.actors import (
     PolicyRef,
     SharedWorkerSettings,
     admission_limit,
@@ -31,9 +33,7 @@ from flowrl.backends.actors import (
     stop_policy,
     worker_nodes,
 )
-from flowrl.backends.lora_export import lora_export
-from flowrl.backends.model_uri import resolve_model_uri
-from flowrl.backends.placement import Placement
+from flowrl.backends.policy.placement import Placement
 from flowrl.backends.types import LoraSettings, WorkerSpec
 from flowrl.environments.remote import stop_env_pool
 from flowrl.environments.timeouts import abandoning_calls
@@ -370,7 +370,7 @@ class JobRun:
 
     def _stop_policies(self) -> None:
         """Stop every policy the run started (idempotent; a shared tenant leaves its worker),
-        the job's record of its running policy withdrawn first (``backends.live``)."""
+        the job's record of its running policy withdrawn first (``backends.policy.live``)."""
         if self._published:
             self._published = False
             with contextlib.suppress(OSError):  # the workers stop whatever the storage says

@@ -24,7 +24,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.runtime import flow_run
 
 from flowrl.agent_loop.seeding import derived_seed
-from flowrl.backends.actors import stop_policy
+from flowrl.backends.policy.actors import stop_policy
 from flowrl.flows.lifecycle import JobRun, task_runner
 from flowrl.flows.rl import rl_train
 from flowrl.flows.run_page import job_run_name

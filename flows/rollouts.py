@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from prefect.futures import PrefectFuture
 
-from flowrl.backends.actors import PolicyRef
+from flowrl.backends.policy.actors import PolicyRef
 from flowrl.tasks.rl import weight_sync
 from flowrl.tasks.types import RolloutBatch, ScoredBatch, UpdateResult
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from prefect import flow
 
-from flowrl.backends.actors import PolicyRef
+from flowrl.backends.policy.actors import PolicyRef
 from flowrl.flows.lifecycle import JobRun, StepClock, due, resumable, task_runner
 from flowrl.flows.run_page import Column, job_run_name
 from flowrl.tasks.model import describe_warmup, prepare_model, register, warmup, warmup_plan

@@ -1,7 +1,7 @@
 """Tinker API sessions as flowrl jobs: each training model a flow run of ``tinker-session``.
 
-The Tinker service (``backends.tinker``) with its models on ``OwnWorkers``
-(``backends.placement``; ``flowrl serve tinker --placement sessions``) submits one run of the
+The Tinker service (``backends.services.tinker``) with its models on ``OwnWorkers``
+(``backends.policy.placement``; ``flowrl serve tinker --placement sessions``) submits one run of the
 ``tinker-session`` deployment per training model, through ``DeploymentRuns``: the flow layer
 names the deployment, the backend only calls what it is given. The run is admitted like any job
 (its work queue, then ``resources.gpus`` slots of the scheduler's ``gpu`` limit, held through
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import ray
 from prefect import flow
 
-from flowrl.backends.tinker.actor import TinkerActor, actor_name
+from flowrl.backends.engines.tinker.actor import TinkerActor, actor_name
 from flowrl.flows.engines import connect_ray
 from flowrl.flows.lifecycle import JobRun
 from flowrl.infra.settings import RAY_NAMESPACE, worker_environment

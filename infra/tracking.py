@@ -391,8 +391,8 @@ def register_policy(
     """Register a trained policy as a new version of ``name``; returns ``models:/name/N``.
 
     - the HF folder ``hf_dir`` is logged as the run's ``policy`` artifact (downloadable as is);
-    - the MLflow Model in ``model_dir`` (``backends.mlflow_model``) becomes a logged model of the
-      run, with ``metrics`` as its metrics, the job's config as its params;
+    - the MLflow Model in ``model_dir`` (``backends.models.mlflow_model``) becomes a logged model of
+      the run, with ``metrics`` as its metrics, the job's config as its params;
     - data files are logged as the run's dataset inputs (name, sha256 digest, source URI);
     - the version's source is that logged model; it carries a description, lineage tags, the
       metrics as tags and (on a tracking server) a link to the run.

@@ -1,11 +1,11 @@
 """Episodes played by the user's agent (``environments.agent``) through rollout sessions.
 
 ``run_agent_episodes`` is the agent counterpart of ``loop.run_episodes``: for one batch of
-episodes it serves a rollout-session endpoint on loopback (``backends.openai_api.sessions``,
-every request sampled by the job's sampler in batches and recorded as tokens), opens a session
-per episode, calls the agent with it, scores what the agent returns, closes the session (its
-key stops answering) and builds the episode's trajectories from the recorded turns
-(``recorded.trajectories_from_turns``).
+episodes it serves a rollout-session endpoint on loopback
+(``backends.services.openai_api.sessions``, every request sampled by the job's sampler in batches
+and recorded as tokens), opens a session per episode, calls the agent with it, scores what the agent
+returns, closes the session (its key stops answering) and builds the episode's trajectories from the
+recorded turns (``recorded.trajectories_from_turns``).
 
 The rollout's budgets (``LoopLimits``) hold per session: ``max_turns`` requests,
 ``max_new_tokens`` per answer, ``max_context_tokens`` for prompt + answer, and the rollout's
@@ -41,7 +41,7 @@ from typing import Any
 from flowrl.agent_loop.loop import LoopLimits
 from flowrl.agent_loop.recorded import trajectories_from_turns
 from flowrl.agent_loop.types import ChatFormat, Sampler, StopReason, Trajectory
-from flowrl.backends.openai_api.sessions import (
+from flowrl.backends.services.openai_api.sessions import (
     LOCKSTEP_WAIT_S,
     Batcher,
     ContextFull,

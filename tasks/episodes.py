@@ -12,9 +12,9 @@ from typing import Any
 from flowrl.agent_loop.loop import LoopLimits, run_episodes
 from flowrl.agent_loop.seeding import SeededSampler, derived_seed
 from flowrl.agent_loop.types import Trajectory
-from flowrl.backends.actors import PolicyRef, sampler
-from flowrl.backends.chat import HFChatFormat
-from flowrl.backends.episodes import EpisodeBatch
+from flowrl.backends.engines.episodes import EpisodeBatch
+from flowrl.backends.models.chat import HFChatFormat
+from flowrl.backends.policy.actors import PolicyRef, sampler
 from flowrl.environments.agent import AgentTask
 from flowrl.environments.registry import AGENT_PREFIX
 from flowrl.environments.remote import EnvFactory, env_factory_for
@@ -97,7 +97,7 @@ def run_group_episodes(
 
 def plays_in_worker(envs_from: Any, policy: PolicyRef, chat: HFChatFormat) -> bool:
     """Whether ``run_group_episodes`` hands the episodes to the policy's own process
-    (``backends.episodes``): in-process environments (``env.mode: local``) of a policy whose
+    (``backends.engines.episodes``): in-process environments (``env.mode: local``) of a policy whose
     sampler's process plays them (``PolicyRef.play_episodes``: a colocated policy), with a
     chat format that process can build. Elsewhere this process plays them: remote
     environments, agents' sessions, samplers of their own or on a shared worker."""

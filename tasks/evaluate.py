@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flowrl.backends.actors import PolicyRef
+from flowrl.backends.policy.actors import PolicyRef
 from flowrl.tasks.chat_formats import chat_format
 from flowrl.tasks.episodes import (
     episode_source,

@@ -9,7 +9,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flowrl.agent_loop.types import Trajectory
-from flowrl.backends.actors import PolicyRef
+from flowrl.backends.policy.actors import PolicyRef
 from flowrl.infra.storage import Storage
 from flowrl.tasks.chat_formats import chat_format
 from flowrl.tasks.episodes import (

@@ -14,11 +14,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flowrl.agent_loop.seeding import stable_hash
-from flowrl.backends.actors import PolicyRef, run_on_ray, stop_policy, trainer
-from flowrl.backends.chat import conversation_needs, probe
-from flowrl.backends.mlflow_model import save_chat_model
-from flowrl.backends.model_folder import model_positions
-from flowrl.backends.model_uri import (
+from flowrl.backends.models.chat import conversation_needs, probe
+from flowrl.backends.models.mlflow_model import save_chat_model
+from flowrl.backends.models.model_folder import model_positions
+from flowrl.backends.models.model_uri import (
     CACHE_BOOKKEEPING,
     build_tiny_model_once,
     cached_tiny_model,
@@ -27,7 +26,8 @@ from flowrl.backends.model_uri import (
     tiny_model_key,
     tiny_model_slot,
 )
-from flowrl.backends.tiny_model import TinyModelSpec, build_tiny_model
+from flowrl.backends.models.tiny_model import TinyModelSpec, build_tiny_model
+from flowrl.backends.policy.actors import PolicyRef, run_on_ray, stop_policy, trainer
 from flowrl.backends.types import WorkerSpec
 from flowrl.environments import registry
 from flowrl.environments.agent import AgentTask

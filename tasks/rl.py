@@ -13,7 +13,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from flowrl.agent_loop.seeding import derived_seed
-from flowrl.backends.actors import PolicyRef, sampler_weights_version, sync_weights, trainer
+from flowrl.backends.policy.actors import PolicyRef, sampler_weights_version, sync_weights, trainer
 from flowrl.backends.types import Datum
 from flowrl.infra.storage import Storage, prune_checkpoints
 from flowrl.tasks.chat_formats import chat_format

@@ -26,9 +26,9 @@ from pydantic import (
 )
 
 from flowrl.agent_loop.loop import LoopLimits
-from flowrl.backends.actors import ActorResources, SharedWorkerSettings
-from flowrl.backends.placement import OwnWorkers, Placement, SharedTenant, WorkerBuild
-from flowrl.backends.tiny_model import TinyModelSpec
+from flowrl.backends.models.tiny_model import TinyModelSpec
+from flowrl.backends.policy.actors import ActorResources, SharedWorkerSettings
+from flowrl.backends.policy.placement import OwnWorkers, Placement, SharedTenant, WorkerBuild
 from flowrl.backends.types import (
     ADVANTAGE_NAMES,
     KL_ESTIMATOR_NAMES,
@@ -229,8 +229,8 @@ class WarmupSection(_Section, title="Warm-up"):
 
 
 class AlgorithmSection(_Section, title="Algorithm"):
-    """The RL math, all chosen by name (``backends/algorithms.py``): switching algorithm is a
-    config change only. Dr. GRPO = ``advantage: dr_grpo`` + ``loss_agg: seq-mean-token-sum``;
+    """The RL math, all chosen by name (``backends/engines/algorithms.py``): switching algorithm is
+    a config change only. Dr. GRPO = ``advantage: dr_grpo`` + ``loss_agg: seq-mean-token-sum``;
     DAPO's clip-higher = ``clip_eps: 0.2`` + ``clip_eps_high: 0.28``; GSPO's paper uses
     ``clip_eps: 3.0e-4`` + ``clip_eps_high: 4.0e-4`` + ``loss_agg: seq-mean-token-mean``."""
 
@@ -519,8 +519,8 @@ class ResourcesSection(_Section, title="Resources"):
     def placement_for(
         self, on_policy: bool = True, shared_worker: SharedWorkerSettings | None = None
     ) -> Placement:
-        """Where every policy of the job lives (``backends.placement``; warm-up's too, except a
-        shared tenant's, which warms up on workers of its own: ``tasks.model.warmup``):
+        """Where every policy of the job lives (``backends.policy.placement``; warm-up's too, except
+        a shared tenant's, which warms up on workers of its own: ``tasks.model.warmup``):
         ``OwnWorkers`` with ``placement`` own, a ``SharedTenant`` with shared; the one place
         the choice is made from a job's config. Its workers' build: the job's GPU slots split
         evenly between a policy's samplers and trainer unless set per worker (a colocated

@@ -16,7 +16,7 @@ from prefect.cache_policies import NO_CACHE
 
 from flowrl.agent_loop.coordinator import run_multiagent_episodes
 from flowrl.agent_loop.seeding import SeededSampler, derived_seed
-from flowrl.backends.actors import PolicyRef, sampler, sync_weights, trainer
+from flowrl.backends.policy.actors import PolicyRef, sampler, sync_weights, trainer
 from flowrl.environments.games import winner
 from flowrl.environments.timeouts import TimedEnv
 from flowrl.infra.storage import (

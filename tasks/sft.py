@@ -12,7 +12,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from flowrl.backends.actors import PolicyRef, sampler, sync_weights, trainer
+from flowrl.backends.policy.actors import PolicyRef, sampler, sync_weights, trainer
 from flowrl.backends.types import Datum
 from flowrl.environments.data import StaticSource, load_rows
 from flowrl.infra.storage import Storage

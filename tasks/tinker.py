@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import tempfile
 
-from flowrl.backends.mlflow_model import save_chat_model
-from flowrl.backends.model_folder import copy_model_files
-from flowrl.backends.tinker.checkpoints import checkpoint_folder, resolve_base_model
+from flowrl.backends.models.mlflow_model import save_chat_model
+from flowrl.backends.models.model_folder import copy_model_files
+from flowrl.backends.models.tinker_checkpoints import checkpoint_folder, resolve_base_model
 from flowrl.infra import tracking
 from flowrl.infra.settings import get_settings, scoped_model_name
 from flowrl.infra.storage import Storage
@@ -40,8 +40,8 @@ def _merged(peft_model):  # noqa: ANN001, ANN202 - a PEFT model in, a transforme
 def register_checkpoint(path: str, name: str, experiment: str = "tinker") -> str:
     """Register the checkpoint at ``path`` as a new version of ``name`` (in the namespace's
     scope); returns ``models:/<name>/<version>``."""
-    from flowrl.backends.tinker.engine import TinkerModel
-    from flowrl.backends.tinker.types import read_tinker_lora
+    from flowrl.backends.engines.tinker.model import TinkerModel
+    from flowrl.backends.engines.tinker.types import read_tinker_lora
 
     settings = get_settings()
     namespace = settings.namespace

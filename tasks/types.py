@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from flowrl.infra.settings import job_prefix
 
 if TYPE_CHECKING:
-    from flowrl.backends.actors import PolicyRef
+    from flowrl.backends.policy.actors import PolicyRef
 
 
 @dataclass(frozen=True)

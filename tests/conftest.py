@@ -284,7 +284,7 @@ def stack_env(local_stack, monkeypatch: pytest.MonkeyPatch) -> Iterator:
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """The default tiny Llama (random weights, local tokenizer) in a module's temp folder."""
-    from flowrl.backends.tiny_model import TinyModelSpec, build_tiny_model
+    from flowrl.backends.models.tiny_model import TinyModelSpec, build_tiny_model
 
     return build_tiny_model(TinyModelSpec(), str(tmp_path_factory.mktemp("tiny")))
 
@@ -292,8 +292,8 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture(scope="module")
 def prompts(model_dir: str) -> list[list[int]]:
     """Chat prompts of three different lengths (the sampler must left-pad them)."""
-    from flowrl.backends.chat import HFChatFormat
-    from flowrl.backends.model_folder import load_tokenizer
+    from flowrl.backends.models.chat import HFChatFormat
+    from flowrl.backends.models.model_folder import load_tokenizer
 
     chat = HFChatFormat(load_tokenizer(model_dir))
     questions = ["1+1?", "What is 12 * 13? Think step by step.", "Hi"]

@@ -179,7 +179,7 @@ class TinkerServer(AppServer):
     the service (its models unloaded)."""
 
     def __init__(self, service) -> None:  # noqa: ANN001 - a flowrl TinkerService
-        from flowrl.backends.tinker.routes import create_app
+        from flowrl.backends.services.tinker.routes import create_app
 
         self.service = service
         super().__init__(create_app(service), on_stop=service.close)
@@ -217,11 +217,15 @@ def assert_learns(  # noqa: ANN001
 def session_endpoint(
     folder: str, cache_dir: str, temperature: float, context_length: int, max_tokens: int
 ) -> Iterator[tuple]:
-    """Rollout sessions (``backends.openai_api.sessions``) on the model in ``folder``, behind
-    uvicorn, with its sampler and a trainer in this process: (table, server, trainer)."""
-    from flowrl.backends.chat import HFChatFormat
-    from flowrl.backends.hf_workers import HFSampler, TorchTrainer
-    from flowrl.backends.openai_api.sessions import Batcher, SessionTable, create_session_app
+    """Rollout sessions (``backends.services.openai_api.sessions``) on the model in ``folder``,
+    behind uvicorn, with its sampler and a trainer in this process: (table, server, trainer)."""
+    from flowrl.backends.engines.hf_workers import HFSampler, TorchTrainer
+    from flowrl.backends.models.chat import HFChatFormat
+    from flowrl.backends.services.openai_api.sessions import (
+        Batcher,
+        SessionTable,
+        create_session_app,
+    )
     from flowrl.backends.types import WorkerSpec
 
     spec = WorkerSpec(model_uri=folder, cache_dir=cache_dir)

@@ -1,4 +1,4 @@
-"""Rollout sessions (``backends.openai_api.sessions``) and the trajectories built from what
+"""Rollout sessions (``backends.services.openai_api.sessions``) and the trajectories built from what
 they record (``agent_loop.recorded``): an agent written with the official ``openai`` client
 talks to its session over HTTP; the trajectory trains exactly the tokens that were sampled.
 

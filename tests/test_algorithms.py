@@ -6,7 +6,7 @@ import statistics
 import pytest
 import torch
 
-from flowrl.backends.algorithms import (
+from flowrl.backends.engines.algorithms import (
     ADVANTAGE_ESTIMATORS,
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,

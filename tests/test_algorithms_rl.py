@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import torch
 
-from flowrl.backends.actors import sampler, start_policy, stop_policy, sync_weights, trainer
-from flowrl.backends.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from flowrl.backends.engines.algorithms import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+from flowrl.backends.policy.actors import sampler, start_policy, stop_policy, sync_weights, trainer
 from flowrl.backends.types import WorkerSpec
 from flowrl.infra.storage import Storage
 from flowrl.tasks.chat_formats import chat_format

@@ -9,9 +9,9 @@ import deepspeed  # noqa: E402,F401  (dev extra: a missing install fails, never 
 import pytest
 import torch
 
-from flowrl.backends.deepspeed_trainer import DeepSpeedTrainer, DeepSpeedZero3Trainer  # noqa: E402
-from flowrl.backends.hf_workers import HFSampler  # noqa: E402
-from flowrl.backends.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
+from flowrl.backends.engines.deepspeed_trainer import DeepSpeedTrainer, DeepSpeedZero3Trainer  # noqa: E402
+from flowrl.backends.engines.hf_workers import HFSampler  # noqa: E402
+from flowrl.backends.models.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec  # noqa: E402
 
 torch.set_num_threads(1)

@@ -21,10 +21,10 @@ import pytest
 import torch
 
 from flowrl.agent_loop.types import SampleResult
-from flowrl.backends import actors
-from flowrl.backends.algorithms import mismatch_kl
-from flowrl.backends.hf_workers import HFSampler, TorchTrainer
-from flowrl.backends.precision import compute_dtype
+from flowrl.backends.engines.algorithms import mismatch_kl
+from flowrl.backends.engines.hf_workers import HFSampler, TorchTrainer
+from flowrl.backends.models.precision import compute_dtype
+from flowrl.backends.policy import actors
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec
 from flowrl.tasks.schemas import RLJobConfig
 

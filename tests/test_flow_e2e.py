@@ -71,10 +71,10 @@ def test_mlflow_run_has_per_step_metrics_and_artifacts(trained):
 
 
 def test_registered_version_loads_by_uri_and_reproduces_final_accuracy(trained, flowrl_home):
-    from flowrl.backends.actors import start_policy, stop_policy
-    from flowrl.backends.chat import HFChatFormat
-    from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
-    from flowrl.backends.model_uri import resolve_model_uri
+    from flowrl.backends.models.chat import HFChatFormat
+    from flowrl.backends.models.model_folder import load_causal_lm, load_tokenizer
+    from flowrl.backends.models.model_uri import resolve_model_uri
+    from flowrl.backends.policy.actors import start_policy, stop_policy
     from flowrl.backends.types import WorkerSpec
     from flowrl.tasks.episodes import evaluate_policy
 

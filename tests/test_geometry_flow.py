@@ -62,9 +62,9 @@ def test_the_flow_records_accuracy_and_trains_on_figures(trained):
 
 
 def test_the_registered_policy_reloads_as_a_vision_language_model(trained, flowrl_home):
-    from flowrl.backends.model_folder import load_causal_lm
-    from flowrl.backends.model_uri import resolve_model_uri
-    from flowrl.backends.vlm import image_seq_length
+    from flowrl.backends.models.model_folder import load_causal_lm
+    from flowrl.backends.models.model_uri import resolve_model_uri
+    from flowrl.backends.models.vlm import image_seq_length
 
     _, result = trained
     assert result.model_uri == "models:/geometry-e2e/1"

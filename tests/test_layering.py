@@ -65,6 +65,44 @@ def test_no_layer_imports_what_it_must_never_import():
     assert not bad, "\n".join(bad)
 
 
+BACKENDS_ORDER = ("types", "models", "engines", "policy", "services")
+"""``backends/``'s sub-packages, each importing only those before it (docs/architecture.md)."""
+
+
+def _backends_part(path: Path) -> str | None:
+    """``backends/engines/hf_workers.py`` → ``engines``; ``backends/types.py`` → ``types``;
+    None for the package's own ``__init__`` and the compatibility module."""
+    parts = path.relative_to(REPO / "backends").parts
+    if len(parts) > 1:
+        return parts[0]
+    return "types" if parts[0] == "types.py" else None
+
+
+def test_backends_sub_packages_import_only_those_before_them():
+    """types ← models ← engines ← policy ← services: a format never starts a worker, an engine
+    never knows where it is placed, a placement never imports a service."""
+    bad = []
+    for path in _modules()["backends"]:
+        part = _backends_part(path)
+        if part is None:
+            continue
+        assert part in BACKENDS_ORDER, f"{path.relative_to(REPO)}: a sub-package without a rank"
+        for line, module in _imports(path):
+            names = module.split(".")
+            if names[:2] != ["flowrl", "backends"] or len(names) < 3:
+                continue
+            if BACKENDS_ORDER.index(names[2]) > BACKENDS_ORDER.index(part):
+                bad.append(f"{path.relative_to(REPO)}:{line} ({part}) imports {module}")
+    assert not bad, "\n".join(bad)
+
+
+def test_backends_has_no_flat_modules_but_its_contracts():
+    """Every module of ``backends/`` sits in a sub-package by what it is, except the data
+    contracts (``types.py``) and the one kept for old MLflow Models (``mlflow_model.py``)."""
+    flat = {p.name for p in (REPO / "backends").glob("*.py")}
+    assert flat == {"__init__.py", "types.py", "mlflow_model.py"}, sorted(flat)
+
+
 def test_nothing_in_flowrl_imports_the_deprecated_schema_module():
     """``flowrl.tasks.jobs`` only keeps users' old imports working (it warns): flowrl's own
     code imports the job schemas from ``flowrl.tasks.schemas``."""

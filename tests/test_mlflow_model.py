@@ -17,11 +17,11 @@ import pandas as pd
 import pytest
 import torch
 
-from flowrl.backends.chat import HFChatFormat
-from flowrl.backends.mlflow_model import save_chat_model
-from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
-from flowrl.backends.model_uri import resolve_model_uri
-from flowrl.backends.tiny_model import TinyModelSpec, build_tiny_model
+from flowrl.backends.models.chat import HFChatFormat
+from flowrl.backends.models.mlflow_model import save_chat_model
+from flowrl.backends.models.model_folder import load_causal_lm, load_tokenizer
+from flowrl.backends.models.model_uri import resolve_model_uri
+from flowrl.backends.models.tiny_model import TinyModelSpec, build_tiny_model
 from flowrl.infra import tracking
 from flowrl.infra.servers import free_port, wait_for_http
 from flowrl.infra.settings import get_settings

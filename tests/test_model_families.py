@@ -13,8 +13,8 @@ from families import BROKEN, FAMILIES, NO_SYSTEM, STRICT, build_family, teach
 
 from flowrl.agent_loop.loop import LoopLimits, run_episodes
 from flowrl.agent_loop.types import StopReason
-from flowrl.backends.actors import sampler, start_policy, stop_policy, sync_weights, trainer
-from flowrl.backends.chat import (
+from flowrl.backends.engines.hf_workers import HFSampler
+from flowrl.backends.models.chat import (
     ChatTemplateError,
     ConversationNeeds,
     HFChatFormat,
@@ -22,7 +22,7 @@ from flowrl.backends.chat import (
     generation_eos_ids,
     probe,
 )
-from flowrl.backends.hf_workers import HFSampler
+from flowrl.backends.policy.actors import sampler, start_policy, stop_policy, sync_weights, trainer
 from flowrl.backends.types import Datum, WorkerSpec
 from flowrl.cli import main
 from flowrl.environments.plugin import first_user_message
@@ -283,9 +283,9 @@ FAMILY_JOBS_SCRIPT = """
 import json, sys
 import mlflow
 import ray
-from flowrl.backends.chat import HFChatFormat, generation_eos_ids
-from flowrl.backends.model_folder import load_tokenizer
-from flowrl.backends.model_uri import resolve_model_uri
+from flowrl.backends.models.chat import HFChatFormat, generation_eos_ids
+from flowrl.backends.models.model_folder import load_tokenizer
+from flowrl.backends.models.model_uri import resolve_model_uri
 from flowrl.flows.rl import rl_train
 from flowrl.infra.settings import get_settings
 from flowrl.tasks.schemas import load_job
@@ -328,7 +328,7 @@ def test_an_rl_job_trains_each_family_from_a_folder_and_from_s3_and_registers_it
     import fsspec
     from prefect.settings import PREFECT_API_URL
 
-    from flowrl.backends.chat import HFChatFormat as Format
+    from flowrl.backends.models.chat import HFChatFormat as Format
 
     params, limits, _ = EPISODES["tool_math"]
     jobs = []

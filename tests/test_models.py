@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, LlamaForCausalLM
 
-from flowrl.backends.chat import HFChatFormat
-from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
-from flowrl.backends.model_uri import pin_model_uri, resolve_model_uri
-from flowrl.backends.tiny_model import (
+from flowrl.backends.models.chat import HFChatFormat
+from flowrl.backends.models.model_folder import load_causal_lm, load_tokenizer
+from flowrl.backends.models.model_uri import pin_model_uri, resolve_model_uri
+from flowrl.backends.models.tiny_model import (
     CHARSET,
     EOS_TOKEN,
     TinyModelSpec,
@@ -301,7 +301,7 @@ def test_resolve_mlflow_registry_alias_and_version(tmp_path, model_dir, monkeypa
 def test_a_cache_fill_never_replaces_a_complete_copy_another_job_may_be_reading(tmp_path):
     """Two jobs resolving the same model at once: the second to finish keeps the first's
     folder (which the first job is loading from) and drops its own copy."""
-    from flowrl.backends.model_uri import _COMPLETE_MARKER, _fill_once
+    from flowrl.backends.models.model_uri import _COMPLETE_MARKER, _fill_once
 
     slot = tmp_path / "slot"
 

@@ -53,8 +53,8 @@ def alice_version(prefect_api, flowrl_home) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def endpoint(flowrl_home) -> Iterator[AppServer]:
-    from flowrl.backends.openai_api.routes import create_app
-    from flowrl.backends.openai_api.service import Limits, OpenAIService
+    from flowrl.backends.services.openai_api.routes import create_app
+    from flowrl.backends.services.openai_api.service import Limits, OpenAIService
 
     service = OpenAIService(keys={ALICE: "alice", BOB: "bob"}, limits=Limits(max_n=4))
     server = AppServer(create_app(service))
@@ -147,10 +147,10 @@ def test_a_tinker_sampler_checkpoint_is_served(endpoint, flowrl_home):
     from services import TinkerServer
     from tinker import types
 
-    from flowrl.backends.model_folder import load_tokenizer
-    from flowrl.backends.placement import InProcess
-    from flowrl.backends.tinker.checkpoints import resolve_base_model
-    from flowrl.backends.tinker.service import TinkerService
+    from flowrl.backends.models.model_folder import load_tokenizer
+    from flowrl.backends.models.tinker_checkpoints import resolve_base_model
+    from flowrl.backends.policy.placement import InProcess
+    from flowrl.backends.services.tinker.service import TinkerService
     from flowrl.infra.settings import get_settings
 
     key = "tml-alice-" + "a" * 24

@@ -1,4 +1,4 @@
-"""Tool calls through the OpenAI-compatible endpoint (``backends.openai_api.tools``): each
+"""Tool calls through the OpenAI-compatible endpoint (``backends.services.openai_api.tools``): each
 family's tool-call syntax parsed into OpenAI ``tool_calls`` (hostile text left as content),
 requests with tools checked, and multi-turn tool-calling episodes through a rollout session,
 driven by the official ``openai`` client, token-exact on the Qwen3 and Llama 3 family fixtures:
@@ -20,8 +20,8 @@ from families import BROKEN, FAMILIES, build_family, build_tokenizer, teach
 from services import AppServer, assert_trained_exactly, session_client, session_endpoint
 
 from flowrl.agent_loop.recorded import trajectories_from_turns
-from flowrl.backends.openai_api.routes import request_messages
-from flowrl.backends.openai_api.tools import (
+from flowrl.backends.services.openai_api.routes import request_messages
+from flowrl.backends.services.openai_api.tools import (
     MAX_PARSED_CHARS,
     for_template,
     parse_tool_calls,
@@ -153,7 +153,7 @@ def test_several_tool_results_render_together_as_the_template_groups_them():
     """Qwen writes consecutive tool results into one user turn: the continuation renders a
     turn's new messages together (``encode_turns``), so prompt + answer + results is exactly
     the template's own rendering."""
-    from flowrl.backends.chat import HFChatFormat
+    from flowrl.backends.models.chat import HFChatFormat
 
     chat = HFChatFormat(build_tokenizer(FAMILIES["qwen3"]), sanitize_control_tokens=True)
     opening = [{"role": "user", "content": "Add 1 and 2, and 3 and 4."}]
@@ -190,7 +190,7 @@ KEY = "tools-key-" + "t" * 24
 def _teach_tool_episode(name: str, folder: str) -> None:
     """Teach the fixture ``REPLIES[name]``: the call on the question, the answer after the
     tool's result, rendered with ``ADD`` as the family's template writes them."""
-    from flowrl.backends.chat import HFChatFormat
+    from flowrl.backends.models.chat import HFChatFormat
 
     chat = HFChatFormat.from_folder(folder)
     call, answer = REPLIES[name]
@@ -307,8 +307,8 @@ def test_a_session_refuses_tools_it_cannot_honour_and_serves_on(sessions):
 def endpoint(folders, tmp_path_factory) -> Iterator[AppServer]:
     """``flowrl serve openai``'s app on the fixtures (and ``flowrl/tiny``, flowrl's own
     format), with its own FLOWRL_HOME."""
-    from flowrl.backends.openai_api.routes import create_app
-    from flowrl.backends.openai_api.service import OpenAIService
+    from flowrl.backends.services.openai_api.routes import create_app
+    from flowrl.backends.services.openai_api.service import OpenAIService
 
     saved = os.environ.get("FLOWRL_HOME")
     os.environ["FLOWRL_HOME"] = str(tmp_path_factory.mktemp("flowrl-home"))

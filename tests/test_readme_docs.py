@@ -105,3 +105,35 @@ def test_module_graph_follows_flowrl_imports_back_to_their_folders(graph: Module
         if graph.layer_of(b) != "infra" and order[graph.layer_of(b)] < order[graph.layer_of(a)]
     ]
     assert not upward, upward
+
+
+TOP_FOLDERS = ("flowrl", "flows", "tasks", "agent_loop", "environments", "backends", "infra")
+TOP_FOLDERS += ("configs", "examples", "benchmarks", "tests", "notebooks", "docs")
+
+
+def test_architecture_names_only_modules_that_exist() -> None:
+    """Every module path docs/architecture.md names exists: a path from a top-level folder
+    anywhere on the page, and in a row of its layout table, each file or folder the row names
+    (``chat.py`` in the ``backends/models/`` row), in the row's folder or below it."""
+    guide = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    missing = []
+    for token in re.findall(r"`([\w./-]+)`", guide):
+        if "/" in token and token.split("/")[0] in TOP_FOLDERS and not (REPO / token).exists():
+            missing.append(token)
+    for row in re.findall(r"^\| `([\w/]+/)`[^\n]*", guide, flags=re.MULTILINE):
+        folder = REPO / row
+        line = next(x for x in guide.splitlines() if x.startswith(f"| `{row}`"))
+        for token in re.findall(r"`([\w/]+(?:\.py|/))`", line.split("|", 3)[2]):
+            if token.split("/")[0] in TOP_FOLDERS:
+                continue
+            if not ((folder / token).exists() or any(folder.rglob(token.rstrip("/")))):
+                missing.append(f"{row}{token}")
+    assert not missing, missing
+
+
+def test_architecture_has_a_row_for_every_backends_sub_package() -> None:
+    guide = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    subs = [p.name for p in sorted((REPO / "backends").iterdir()) if (p / "__init__.py").exists()]
+    assert subs == ["engines", "models", "policy", "services"], subs
+    missing = [s for s in subs if f"| `backends/{s}/` |" not in guide]
+    assert not missing, missing

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 
 from flowrl.agent_loop.seeding import derived_seed
-from flowrl.backends.actors import (
+from flowrl.backends.models.chat import HFChatFormat
+from flowrl.backends.models.model_folder import load_tokenizer
+from flowrl.backends.policy.actors import (
     sampler,
     sampler_weights_version,
     start_policy,
@@ -20,8 +22,6 @@ from flowrl.backends.actors import (
     sync_weights,
     trainer,
 )
-from flowrl.backends.chat import HFChatFormat
-from flowrl.backends.model_folder import load_tokenizer
 from flowrl.backends.types import Datum, WorkerSpec
 from flowrl.tasks.episodes import run_group_episodes
 from flowrl.tasks.schemas import load_job
@@ -106,8 +106,8 @@ def test_an_on_policy_job_colocates_its_sampler_and_trainer_unless_told_otherwis
     """Unset, ``resources.colocate`` follows the job: on-policy with one sampler and the hf
     and torch backends, one actor holds both roles and all the job's GPU slots; a shared
     worker's tenant keeps its own sampler and trainer adapters at any staleness."""
-    from flowrl.backends.actors import SharedWorkerSettings
-    from flowrl.backends.placement import SharedTenant
+    from flowrl.backends.policy.actors import SharedWorkerSettings
+    from flowrl.backends.policy.placement import SharedTenant
 
     on_policy = load_job(None, ["resources.gpus=2"]).placement_for()
     assert on_policy.colocate and on_policy.build.resources.num_gpus == 2.0

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowrl.backends.actors import start_policy, stop_policy
+from flowrl.backends.policy.actors import start_policy, stop_policy
 from flowrl.backends.types import LoraSettings, WorkerSpec
 from flowrl.environments.arithmetic import ArithmeticTask
 from flowrl.infra.configfile import ConfigError

@@ -1,4 +1,4 @@
-"""Many LoRA tenants on one base model (``backends.tinker.engine.SharedBase``): the base
+"""Many LoRA tenants on one base model (``backends.engines.tinker.model.SharedBase``): the base
 weights loaded once; each tenant its own adapter, AdamW state, step count and RNG; isolated bit
 for bit; parked least-recently-used when the adapter slots are full and restored exactly."""
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from flowrl.backends.tinker.engine import SharedBase, TinkerModel
-from flowrl.backends.tinker.types import Datum, SampleParams, TinkerInputError, tinker_lora
+from flowrl.backends.engines.tinker.model import SharedBase, TinkerModel
+from flowrl.backends.engines.tinker.types import Datum, SampleParams, TinkerInputError, tinker_lora
 
 PROMPTS = [[5, 6, 7], [8, 9, 10, 11], [12, 13]]
 

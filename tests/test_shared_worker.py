@@ -20,7 +20,7 @@ import pytest
 import ray
 import torch
 
-from flowrl.backends.actors import (
+from flowrl.backends.policy.actors import (
     SharedWorkerSettings,
     sampler,
     shared_worker_name,
@@ -256,10 +256,10 @@ def test_a_tinker_model_is_a_tenant_of_the_worker_jobs_use(
     from services import TinkerServer
     from tinker import types
 
-    from flowrl.backends.model_folder import load_tokenizer
-    from flowrl.backends.placement import SharedTenant
-    from flowrl.backends.tinker.checkpoints import resolve_base_model
-    from flowrl.backends.tinker.service import TinkerService
+    from flowrl.backends.models.model_folder import load_tokenizer
+    from flowrl.backends.models.tinker_checkpoints import resolve_base_model
+    from flowrl.backends.policy.placement import SharedTenant
+    from flowrl.backends.services.tinker.service import TinkerService
 
     key = "tml-shared-" + "s" * 24
     cache = str(tmp_path / "model-cache")

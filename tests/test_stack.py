@@ -994,7 +994,7 @@ def test_stack_down_then_up_loses_nothing(local_stack, monkeypatch, tmp_path):
     import s3fs
     from transformers import AutoModelForCausalLM
 
-    from flowrl.backends.model_uri import resolve_model_uri
+    from flowrl.backends.models.model_uri import resolve_model_uri
     from flowrl.infra import stack, tracking
     from flowrl.infra.storage import Storage, load_latest_checkpoint
 

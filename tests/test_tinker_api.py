@@ -21,9 +21,9 @@ import tinker
 from services import TinkerServer
 from tinker import types
 
-from flowrl.backends.placement import InProcess
-from flowrl.backends.tinker.checkpoints import resolve_base_model as base_folder
-from flowrl.backends.tinker.service import Limits, TinkerService
+from flowrl.backends.models.tinker_checkpoints import resolve_base_model as base_folder
+from flowrl.backends.policy.placement import InProcess
+from flowrl.backends.services.tinker.service import Limits, TinkerService
 from flowrl.infra.servers import free_port
 
 ALICE = "tml-alice-" + "a" * 24
@@ -86,7 +86,7 @@ def _finish_sessions(request: pytest.FixtureRequest) -> Iterator[None]:
 
 @pytest.fixture(scope="module")
 def tokenizer(home: Path):
-    from flowrl.backends.model_folder import load_tokenizer
+    from flowrl.backends.models.model_folder import load_tokenizer
 
     return load_tokenizer(base_folder("tiny", str(home / "model-cache")))
 
@@ -244,7 +244,7 @@ def test_a_sampler_checkpoint_registers_as_an_mlflow_model(
     import pandas as pd
     import torch
 
-    from flowrl.backends.model_folder import load_causal_lm
+    from flowrl.backends.models.model_folder import load_causal_lm
     from flowrl.cli import main
     from flowrl.infra.tracking import download_model
 
@@ -463,7 +463,7 @@ def test_saved_states_load_after_a_killed_service(home: Path, tokenizer, tmp_pat
 def test_the_service_starts_only_with_keys_or_on_loopback(tmp_path: Path, capsys) -> None:
     """Without keys ``flowrl serve tinker`` refuses to start, and ``--insecure-loopback`` serves
     loopback addresses only; keys come from a file (or FLOWRL_TINKER_KEYS) as namespace:key."""
-    from flowrl.backends.tinker.server import read_keys
+    from flowrl.backends.services.tinker.server import read_keys
     from flowrl.cli import main
 
     assert main(["serve", "tinker"]) == 2

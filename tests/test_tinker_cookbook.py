@@ -21,8 +21,8 @@ import pytest
 from families import FAMILIES, build_family
 from services import TinkerServer
 
-from flowrl.backends.placement import InProcess
-from flowrl.backends.tinker.service import TinkerService
+from flowrl.backends.policy.placement import InProcess
+from flowrl.backends.services.tinker.service import TinkerService
 
 REPO = Path(__file__).resolve().parent.parent
 CLIENT_VENV = Path(os.environ.get("FLOWRL_TEST_CLIENT_VENV", REPO / ".venv-client"))

@@ -45,8 +45,8 @@ ALLOWED_IMPORTS = {
 @pytest.fixture(scope="module")
 def tinker_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The Tinker API on loopback (local placement, one key); its base URL."""
-    from flowrl.backends.placement import InProcess
-    from flowrl.backends.tinker.service import TinkerService
+    from flowrl.backends.policy.placement import InProcess
+    from flowrl.backends.services.tinker.service import TinkerService
 
     storage = tmp_path_factory.mktemp("tinker-storage")
     service = TinkerService(

@@ -1,4 +1,4 @@
-"""The Tinker service's journal (``backends/tinker/journal.py``): what a restarted service
+"""The Tinker service's journal (``backends/services/tinker/journal.py``): what a restarted service
 carries on is exactly what was live: sessions not ended, their models not unloaded, their
 samplers, and the calls whose results the client had not taken, in order. (The restart
 itself, SIGKILL and all, is tested on the stack: ``test_stack.py``.)"""
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flowrl.backends.tinker import journal as journal_module
-from flowrl.backends.tinker.journal import Journal, pending
+from flowrl.backends.services.tinker import journal as journal_module
+from flowrl.backends.services.tinker.journal import Journal, pending
 
 
 def _session(sid: str) -> dict:

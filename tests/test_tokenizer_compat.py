@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from flowrl.backends.model_folder import load_tokenizer
-from flowrl.backends.tiny_model import TinyModelSpec, build_tiny_model
+from flowrl.backends.models.model_folder import load_tokenizer
+from flowrl.backends.models.tiny_model import TinyModelSpec, build_tiny_model
 
 OLD = ["transformers==4.57.3", "tokenizers==0.22.1", "huggingface-hub==0.36.0"]
 CONVERSATION = [

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from flowrl.backends.actors import (
+from flowrl.backends.policy.actors import (
     SAMPLER_BACKENDS,
     backend_runtime_env,
     sampler,
@@ -74,7 +74,7 @@ def _data(prompts: list[list[int]], results, advantages: list[float]) -> list[Da
 
 def _trainer_greedy(ref, spec: WorkerSpec, prompts: list[list[int]], length: int):
     """The trainer's greedy tokens: its weights in an ``HFSampler`` of this process."""
-    from flowrl.backends.hf_workers import HFSampler
+    from flowrl.backends.engines.hf_workers import HFSampler
 
     local = HFSampler(spec)
     local.set_weights(trainer(ref).get_weights())
@@ -242,10 +242,10 @@ def test_tinker_sdk_samples_saved_weights_on_vllm(ray_local, tmp_path, monkeypat
     from services import TinkerServer
     from tinker import types
 
-    from flowrl.backends.model_folder import load_tokenizer
-    from flowrl.backends.placement import InProcess, VLLMEngines
-    from flowrl.backends.tinker.checkpoints import resolve_base_model
-    from flowrl.backends.tinker.service import TinkerService
+    from flowrl.backends.models.model_folder import load_tokenizer
+    from flowrl.backends.models.tinker_checkpoints import resolve_base_model
+    from flowrl.backends.policy.placement import InProcess, VLLMEngines
+    from flowrl.backends.services.tinker.service import TinkerService
 
     _vllm_venv_or_skip()
     monkeypatch.setenv("FLOWRL_HOME", str(tmp_path))

@@ -18,19 +18,19 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from flowrl.agent_loop.loop import LoopLimits, run_episodes
 from flowrl.agent_loop.types import Trajectory
-from flowrl.backends.actors import sampler, start_policy, stop_policy, sync_weights, trainer
-from flowrl.backends.chat import HFChatFormat
-from flowrl.backends.hf_workers import HFSampler, TorchTrainer
-from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
-from flowrl.backends.tiny_model import (
+from flowrl.backends.engines.hf_workers import HFSampler, TorchTrainer
+from flowrl.backends.models.chat import HFChatFormat
+from flowrl.backends.models.model_folder import load_causal_lm, load_tokenizer
+from flowrl.backends.models.tiny_model import (
     IMAGE_TOKEN,
     TinyModelSpec,
     TinyVisionSpec,
     build_tiny_model,
     build_tokenizer,
 )
+from flowrl.backends.models.vlm import ImageInputs, image_seq_length
+from flowrl.backends.policy.actors import sampler, start_policy, stop_policy, sync_weights, trainer
 from flowrl.backends.types import Datum, WorkerSpec
-from flowrl.backends.vlm import ImageInputs, image_seq_length
 from flowrl.environments.geometry import GeometryTask
 from flowrl.infra.storage import Storage
 from flowrl.tasks.records import load_data, load_trajectories, save_data, save_trajectories

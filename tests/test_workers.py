@@ -16,7 +16,9 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from flowrl.agent_loop.types import SampleResult
-from flowrl.backends.actors import (
+from flowrl.backends.models.chat import HFChatFormat
+from flowrl.backends.models.model_folder import load_causal_lm, load_tokenizer
+from flowrl.backends.policy.actors import (
     PolicyRef,
     sampler,
     start_policy,
@@ -24,8 +26,6 @@ from flowrl.backends.actors import (
     sync_weights,
     trainer,
 )
-from flowrl.backends.chat import HFChatFormat
-from flowrl.backends.model_folder import load_causal_lm, load_tokenizer
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec
 from flowrl.infra.storage import Storage, latest_checkpoint
 
@@ -131,7 +131,7 @@ def test_a_group_sharing_its_prompt_prefills_it_once_and_samples_the_same(
 ):
     """Rows that repeat a prompt (a GRPO group) reuse one prefilled KV cache: the samples and
     their log-probs are those of prefilling every row, and still match the trainer's."""
-    from flowrl.backends import hf_workers
+    from flowrl.backends.engines import hf_workers
 
     ref = policy()
     grouped = [p for p in prompts for _ in range(4)]
@@ -174,7 +174,7 @@ def test_a_group_sharing_its_prompt_is_trained_on_one_pass_of_it_with_the_same_g
     """The trainer runs a prompt its rows repeat once (KV cache copied to the rows): the loss,
     the log-probs against the sampler's and every gradient equal those of running each row
     in full, for a policy loss and for SFT's cross-entropy."""
-    from flowrl.backends import hf_workers
+    from flowrl.backends.engines import hf_workers
 
     ref = policy()
     grouped = [p for p in prompts for _ in range(4)]
@@ -295,7 +295,7 @@ def test_ray_actors_sample_update_sync_restart_and_stop(
     trains exactly as a worker started fresh with that spec."""
     import ray
 
-    from flowrl.backends.actors import restart_policy
+    from flowrl.backends.policy.actors import restart_policy
     from flowrl.infra.settings import RAY_NAMESPACE as NAMESPACE
 
     spec = WorkerSpec(model_uri=model_dir, cache_dir=str(tmp_path / "cache"))
@@ -345,7 +345,7 @@ def test_a_colocated_policy_is_one_process_that_samples_and_trains_as_two(
     threads; it samples, trains and syncs exactly as separate workers do, and restarts."""
     import ray
 
-    from flowrl.backends.actors import restart_policy
+    from flowrl.backends.policy.actors import restart_policy
     from flowrl.infra.settings import RAY_NAMESPACE as NAMESPACE
 
     spec = WorkerSpec(model_uri=model_dir, cache_dir=str(tmp_path / "cache"), lora=LORA)
@@ -388,7 +388,7 @@ def test_a_colocated_policy_plays_in_process_episodes_in_its_own_process(
     from sample_envs import WHEREABOUTS
 
     from flowrl.agent_loop.loop import LoopLimits
-    from flowrl.backends.chat import ChatSource, chat_format_of
+    from flowrl.backends.models.chat import ChatSource, chat_format_of
     from flowrl.environments.remote import EnvFactory
     from flowrl.infra.settings import RAY_NAMESPACE as NAMESPACE
     from flowrl.tasks.episodes import plays_in_worker, run_group_episodes
@@ -426,7 +426,7 @@ def test_a_colocated_policy_plays_in_process_episodes_in_its_own_process(
 
 
 def test_an_in_process_policy_restarts_as_a_fresh_one(policy, prompts):
-    from flowrl.backends.actors import restart_policy
+    from flowrl.backends.policy.actors import restart_policy
 
     warm, fresh = policy(), policy(lora=LORA, seed=5)
     update(warm, as_data(prompts, sampler(warm).sample(prompts, MAX_NEW_TOKENS, 1.0, seed=0), 1.0))

@@ -29,5 +29,5 @@ else
 fi
 # flowrl itself, without its dependencies: the worker imports its backends, not Prefect.
 "$uv" pip install -q --python "$py" --no-deps -e "$root"
-"$py" -c "import vllm, flowrl.backends.vllm_sampler" 2>/dev/null
+"$py" -c "import vllm, flowrl.backends.engines.vllm_sampler" 2>/dev/null
 echo "setup-vllm: $venv holds vLLM $("$py" -c 'import vllm; print(vllm.__version__)')"

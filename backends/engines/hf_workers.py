@@ -1,0 +1,825 @@
+"""The torch/transformers/peft workers that hold model weights: a sampler and a trainer.
+
+They are plain classes; ``backends.policy.actors`` runs them as long-lived Ray actors (or in-process
+for benchmarks). Their public methods are the Tinker-style verbs: ``sample``,
+``forward_backward``, ``optim_step``, ``save_state`` / ``load_state``, ``get_weights`` /
+``set_weights`` (weight sync). Storage (fsspec, botocore) is imported by the checkpoint verbs
+only, so the workers run where those are not installed (``benchmarks/gpu_check.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+from transformers import LogitsProcessor
+
+from flowrl.agent_loop.types import SampleResult
+from flowrl.backends.engines.algorithms import (
+    KL_ESTIMATORS,
+    LOSS_AGGREGATIONS,
+    get_advantage_estimator,
+    get_policy_loss,
+    kl_penalized_rewards,
+    mismatch_kl,
+    off_policy_correction,
+    token_logprobs,
+)
+from flowrl.backends.models.chat import HFChatFormat
+from flowrl.backends.models.lora_export import LORA_EXPORT
+from flowrl.backends.models.model_folder import (
+    copy_model_files,
+    load_causal_lm,
+    load_tokenizer,
+    pad_id,
+)
+from flowrl.backends.models.model_uri import resolve_model_uri
+from flowrl.backends.models.precision import compute_dtype, forward_autocast
+from flowrl.backends.models.vlm import ImageInputs, vision_inputs
+from flowrl.backends.types import Datum, WorkerSpec
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+
+def write_lora_export(
+    folder: str, state: dict[str, torch.Tensor], base_uri: str, lora: dict[str, Any]
+) -> None:
+    """The adapter ``state`` of a policy trained on ``base_uri`` into ``folder``'s
+    ``LORA_EXPORT`` subfolder (``models.lora_export`` reads its settings back)."""
+    out = Path(folder) / LORA_EXPORT
+    out.mkdir()
+    (out / "adapter.safetensors").write_bytes(save_safetensors(state))
+    (out / "lora.json").write_text(json.dumps({"base_model": base_uri, "lora": lora}))
+
+
+def _device(spec: WorkerSpec) -> torch.device:
+    if spec.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(spec.device)
+
+
+def load_policy_model(
+    spec: WorkerSpec, dtype: torch.dtype = torch.float32
+) -> tuple[torch.nn.Module, Any, str]:
+    """Load the model in ``dtype`` (with a LoRA adapter when enabled), its tokenizer and its
+    local path."""
+    torch.set_num_threads(spec.torch_threads)
+    path = resolve_model_uri(spec.model_uri, spec.cache_dir)
+    model = load_causal_lm(path, dtype)
+    if spec.lora.enabled:
+        from peft import get_peft_model  # imported by LoRA workers only (~0.5 s at start)
+
+        # Same seed in sampler and trainer: both start from identical adapter weights.
+        torch.manual_seed(spec.seed)
+        model = get_peft_model(model, lora_config(spec))
+    return model.to(_device(spec)), load_tokenizer(path), path
+
+
+def lora_config(spec: WorkerSpec) -> LoraConfig:
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=spec.lora.r,
+        lora_alpha=spec.lora.alpha,
+        lora_dropout=spec.lora.dropout,
+        target_modules=list(spec.lora.target_modules),
+        task_type="CAUSAL_LM",
+    )
+
+
+def _trainable_state(
+    model: torch.nn.Module, lora: bool, adapter: str = "default"
+) -> dict[str, torch.Tensor]:
+    """Detached CPU copies (tied weights become separate tensors, as safetensors requires);
+    with LoRA the adapter named ``adapter``, its keys without the name."""
+    if lora:
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(model, adapter_name=adapter)
+    else:
+        state = model.state_dict()
+    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
+
+def _load_trainable_state(
+    model: torch.nn.Module, state: dict[str, torch.Tensor], lora: bool, adapter: str = "default"
+) -> None:
+    if lora:
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, state, adapter_name=adapter)
+    else:
+        model.load_state_dict(state, strict=False)
+
+
+Loaded = tuple[torch.nn.Module, Any, str]
+"""A loaded policy model, its tokenizer and its local path (``load_policy_model``)."""
+
+
+class HFSampler:
+    """Batched sampling with HF ``generate``, returning token ids and float32 log-probs;
+    weights and activations in ``spec.dtype`` (``backends.models.precision``)."""
+
+    restartable = True
+    """Built again in its process from a new spec, it is a new sampler (``actors``)."""
+
+    def __init__(self, spec: WorkerSpec, loaded: Loaded | None = None, adapter: str = "default"):
+        """``loaded``: a model loaded already (a shared worker's base, ``adapter`` being this
+        sampler's LoRA adapter on it, active whenever a verb runs); None loads the spec's."""
+        self.spec = spec
+        self.adapter = adapter
+        self.device = _device(spec)
+        self.dtype = compute_dtype(spec.dtype, self.device)
+        self.model, self.tokenizer, self.model_path = loaded or load_policy_model(spec, self.dtype)
+        self.model.eval()
+        self.image_inputs = ImageInputs.for_model(self.model_path)  # None: text only
+        self.stop_token_ids = HFChatFormat.from_folder(self.model_path).stop_token_ids
+        self.weights_version = 0
+
+    @torch.no_grad()
+    def sample(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperature: float,
+        seed: int | None = None,
+        images: list[list[bytes]] | None = None,
+    ) -> list[SampleResult]:
+        """Sample one completion per prompt (temperature 0 = greedy). Prompts: B lists of ids;
+        ``images[i]``: the encoded images whose tokens prompt ``i`` holds, in order."""
+        if not prompts:
+            return []
+        vision = vision_inputs(self.image_inputs, images, self.device)
+        unsampled = _unsampled_token_ids(self.image_inputs)
+        if seed is not None:
+            torch.manual_seed(seed)
+        pad = pad_id(self.tokenizer)
+        ids, attention = _left_padded(prompts, pad, self.device)
+        width = ids.shape[1]
+        greedy = temperature <= 0
+        shared = {} if vision else _shared_prompt_cache(self.model, ids, attention)
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=attention,
+            **vision,
+            **shared,
+            suppress_tokens=unsampled or None,
+            max_new_tokens=max_new_tokens,
+            do_sample=not greedy,
+            temperature=None if greedy else temperature,
+            top_k=None,
+            top_p=None,
+            eos_token_id=self.stop_token_ids,
+            pad_token_id=pad,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        new_B_T = out.sequences[:, width:].cpu()
+        logits_B_T_V = _without(torch.stack(out.logits, dim=1).float().cpu(), unsampled)
+        scale = 1.0 if greedy else temperature
+        logprobs_B_T = token_logprobs(logits_B_T_V / scale, new_B_T)
+        return [self._cut(new_B_T[i], logprobs_B_T[i]) for i in range(len(prompts))]
+
+    @torch.no_grad()
+    def sample_rows(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        temperatures: list[float],
+        seeds: list[int],
+        adapters: list[str],
+    ) -> list[SampleResult]:
+        """Sample one completion per prompt where each row has its own temperature, seed and
+        LoRA adapter (``_RowAdapters``): rows of several tenants of a shared worker in one
+        forward pass. A row's randomness is its own (Gumbel-max noise from a generator
+        seeded by its seed), so which other rows share the batch changes none of its draws;
+        text only, LoRA on linear layers."""
+        if not prompts:
+            return []
+        pad = pad_id(self.tokenizer)
+        ids, attention = _left_padded(prompts, pad, self.device)
+        width = ids.shape[1]
+        with _RowAdapters(self.model) as route:
+            shared = _shared_prompt_cache(self.model, ids, attention, adapters, route)
+            route.route(adapters)
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=attention,
+                **shared,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,  # the rows' own noise makes the argmax a sample
+                logits_processor=[_RowNoise(temperatures, seeds)],
+                eos_token_id=self.stop_token_ids,
+                pad_token_id=pad,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+        new_B_T = out.sequences[:, width:].cpu()
+        logits_B_T_V = torch.stack(out.logits, dim=1).float().cpu()
+        scale_B = torch.tensor([t if t > 0 else 1.0 for t in temperatures])
+        logprobs_B_T = token_logprobs(logits_B_T_V / scale_B[:, None, None], new_B_T)
+        return [self._cut(new_B_T[i], logprobs_B_T[i]) for i in range(len(prompts))]
+
+    def _cut(self, tokens_T: torch.Tensor, logprobs_T: torch.Tensor) -> SampleResult:
+        tokens = tokens_T.tolist()
+        for t, tok in enumerate(tokens):
+            if tok in self.stop_token_ids:
+                return SampleResult(tokens[: t + 1], logprobs_T[: t + 1].tolist(), "stop")
+        return SampleResult(tokens, logprobs_T.tolist(), "length")
+
+    def set_weights(self, weights: tuple[dict[str, torch.Tensor], int]) -> int:
+        """Weight sync: load ``TorchTrainer.get_weights()`` (adapter only for LoRA)."""
+        state, version = weights
+        state = {k: v.to(self.device) for k, v in state.items()}
+        _load_trainable_state(self.model, state, self.spec.lora.enabled, self.adapter)
+        self.weights_version = version
+        return version
+
+    def get_weights_version(self) -> int:
+        return self.weights_version
+
+    def load_lora_export(self, model_uri: str) -> int:
+        """The adapter of the exported LoRA policy at ``model_uri`` (its ``LORA_EXPORT``) as
+        this sampler's weights (version 0): a LoRA version sampled on its base."""
+        folder = Path(resolve_model_uri(model_uri, self.spec.cache_dir)) / LORA_EXPORT
+        state = load_safetensors((folder / "adapter.safetensors").read_bytes())
+        return self.set_weights((state, 0))
+
+
+def _left_padded(
+    prompts: list[list[int]], pad: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids, attention mask) of ``prompts`` left-padded to the longest, on ``device``."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        attention[i, width - len(p) :] = 1
+    return ids.to(device), attention.to(device)
+
+
+class _RowNoise(LogitsProcessor):
+    """A logits processor sampling each row with its own temperature and generator: it adds
+    Gumbel noise to the row's scores over its temperature (Gumbel-max: the argmax is then a
+    draw from the softmax), drawn from a generator seeded with the row's seed, a few steps'
+    noise at a time; temperature 0 leaves the row greedy."""
+
+    NOISE_FLOATS = 1 << 22  # at most this many noise values drawn ahead
+
+    def __init__(self, temperatures: list[float], seeds: list[int]):
+        self.sampled = [i for i, t in enumerate(temperatures) if t > 0]
+        self.scale_S = torch.tensor([temperatures[i] for i in self.sampled])
+        self.generators = [torch.Generator().manual_seed(seeds[i]) for i in self.sampled]
+        self.noise_S_K_V: torch.Tensor | None = None
+        self.step = 0
+
+    def __call__(self, input_ids: torch.Tensor, scores_B_V: torch.Tensor) -> torch.Tensor:
+        if not self.sampled:
+            return scores_B_V
+        if self.noise_S_K_V is None or self.step == self.noise_S_K_V.shape[1]:
+            vocab = scores_B_V.shape[1]
+            k = max(1, min(16, self.NOISE_FLOATS // (len(self.sampled) * vocab)))
+            u = [torch.rand(k, vocab, generator=g) for g in self.generators]
+            self.noise_S_K_V = -torch.log(-torch.log(torch.stack(u).clamp_(1e-20, 1.0)))
+            self.step = 0
+        gumbel_S_V = self.noise_S_K_V[:, self.step].to(scores_B_V.device)
+        self.step += 1
+        out = scores_B_V.float().clone()
+        rows = torch.tensor(self.sampled, device=out.device)
+        out[rows] = out[rows] / self.scale_S.to(out.device)[:, None] + gumbel_S_V
+        return out
+
+
+class _RowAdapters:
+    """While entered, each LoRA linear layer of ``model`` adds to each run of consecutive rows
+    the adapter ``route`` names for them (set before each forward pass): a batched LoRA path for
+    rows of several adapters that slices contiguous runs instead of gathering rows per layer
+    (PEFT's ``adapter_names`` path does that, at a cost per layer that dominates small models).
+    Only LoRA on linear layers, without DoRA."""
+
+    def __init__(self, model: torch.nn.Module):
+        from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.lora import LoraLayer
+
+        self.layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+        others = [m for m in model.modules() if isinstance(m, LoraLayer) and m not in self.layers]
+        if others or any(any(m.use_dora.values()) for m in self.layers):
+            raise NotImplementedError("rows of several adapters: LoRA on linear layers only")
+        self.runs: list[tuple[str, int, int]] = []
+
+    def route(self, names: list[str]) -> None:
+        """The next forward passes' rows: row i with the adapter ``names[i]``."""
+        self.runs = []
+        for i, name in enumerate(names):
+            if self.runs and self.runs[-1][0] == name:
+                self.runs[-1] = (name, self.runs[-1][1], i + 1)
+            else:
+                self.runs.append((name, i, i + 1))
+
+    def __enter__(self) -> _RowAdapters:
+        for layer in self.layers:
+            layer.forward = functools.partial(self._forward, layer)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for layer in self.layers:
+            del layer.forward  # the class's own again
+
+    def _forward(self, layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        result = layer.base_layer(x, *args, **kwargs)
+        for name, lo, hi in self.runs:
+            if name in layer.lora_A:
+                a, b = layer.lora_A[name], layer.lora_B[name]
+                rows = layer.lora_dropout[name](x[lo:hi].to(a.weight.dtype))
+                result[lo:hi] += (b(a(rows)) * layer.scaling[name]).to(result.dtype)
+        return result
+
+
+def _shared_prompt_cache(
+    model: torch.nn.Module,
+    ids_B_T: torch.Tensor,
+    attention_B_T: torch.Tensor,
+    adapters: list[str] | None = None,
+    route: _RowAdapters | None = None,
+) -> dict[str, Any]:
+    """``generate``'s ``past_key_values`` when rows repeat a prompt (a GRPO group's samples
+    share theirs): every distinct prompt but its last token is prefilled once, and the KV
+    cache is copied to the rows that repeat it, so ``generate`` only runs the last prompt token
+    and the new ones. Empty (prefill as usual) when every prompt is distinct. ``adapters``: each
+    row's LoRA adapter, routed by ``route``: rows share a prefill only with their adapter's."""
+    keys = [tuple(row) for row in ids_B_T.tolist()]
+    if adapters is not None:
+        keys = [(adapter, *key) for adapter, key in zip(adapters, keys, strict=True)]
+    first, index = _distinct_rows(keys)
+    if len(first) == len(index) or ids_B_T.shape[1] < 2:
+        return {}
+    if adapters is not None and route is not None:
+        route.route([adapters[i] for i in first])
+    cache = _prefilled_cache(model, ids_B_T[first, :-1], attention_B_T[first, :-1], index)
+    return {"past_key_values": cache}
+
+
+def _distinct_rows(rows: list[tuple[Any, ...]]) -> tuple[list[int], list[int]]:
+    """(the first row of each distinct value, each row's distinct slot)."""
+    slots: dict[tuple[Any, ...], int] = {}
+    first: list[int] = []
+    index: list[int] = []
+    for i, row in enumerate(rows):
+        slot = slots.setdefault(row, len(first))
+        if slot == len(first):
+            first.append(i)
+        index.append(slot)
+    return first, index
+
+
+def _prefilled_cache(
+    model: torch.nn.Module, ids_U_P: torch.Tensor, mask_U_P: torch.Tensor, index: list[int]
+) -> Any:
+    """A ``DynamicCache`` of the left-padded distinct prefixes ``ids_U_P``, copied to the rows
+    (row i holds prefix ``index[i]``); gradients flow back through the copies when enabled."""
+    from transformers import DynamicCache
+
+    positions = mask_U_P.long().cumsum(-1) - 1  # as generate numbers left-padded rows
+    positions.masked_fill_(mask_U_P == 0, 1)
+    cache = DynamicCache(config=model.config)
+    model(input_ids=ids_U_P, attention_mask=mask_U_P, position_ids=positions, past_key_values=cache)
+    cache.reorder_cache(torch.tensor(index, device=ids_U_P.device))
+    return cache
+
+
+def _shared_prefix_logprobs(
+    model: torch.nn.Module,
+    data: list[Datum],
+    b: dict[str, torch.Tensor],
+    temperature: float,
+    unsampled: list[int],
+    dtype: torch.dtype,
+) -> torch.Tensor | None:
+    """``_next_token_logprobs`` at the positions the loss reads, with each distinct prompt run
+    once: the tokens before a row's first loss token but one (its shared prefix) go through
+    the model once per distinct prefix into a KV cache, copied to the rows that repeat it
+    (gradients flow back through the copies); each row then runs only its last prompt token
+    and the rest. A GRPO group's samples share their prompt, so at the default job the trainer
+    computes about a sixth of the tokens. Positions before a row's loss tokens are 0.0. None
+    (compute as usual) when no two rows share a prefix or a prompt is shorter than 2 tokens."""
+    starts = [next((t for t, m in enumerate(d.loss_mask) if m), len(d.tokens)) for d in data]
+    if min(starts) < 2:
+        return None
+    first, index = _distinct_rows(
+        [tuple(d.tokens[: p - 1]) for d, p in zip(data, starts, strict=True)]
+    )
+    if len(first) == len(index):
+        return None
+    ids, attention = b["ids"], b["attention"]
+    device = ids.device
+    shared = [starts[i] - 1 for i in first]  # prefix lengths, one per distinct prefix
+    width = max(shared)
+    prefix = torch.zeros((len(first), width), dtype=torch.long)
+    prefix_mask = torch.zeros((len(first), width), dtype=torch.long)
+    for u, (i, n) in enumerate(zip(first, shared, strict=True)):  # left padding
+        prefix[u, width - n :] = torch.tensor(data[i].tokens[:n])
+        prefix_mask[u, width - n :] = 1
+    prefix, prefix_mask = prefix.to(device), prefix_mask.to(device)
+    q_B = torch.tensor([p - 1 for p in starts], device=device)  # where each row's rest starts
+    lengths_B = attention.sum(-1)
+    rest = int((lengths_B - q_B).max())
+    if rest < 2:  # no row has a token to score
+        return None
+    offsets = torch.arange(rest, device=device)
+    columns_B_S = (q_B.unsqueeze(-1) + offsets).clamp(max=ids.shape[1] - 1)
+    rest_mask = (offsets < (lengths_B - q_B).unsqueeze(-1)).long()
+    rest_ids = ids.gather(1, columns_B_S).masked_fill(rest_mask == 0, 0)
+    with forward_autocast(dtype, device):
+        cache = _prefilled_cache(model, prefix, prefix_mask, index)
+        logits = model(
+            input_ids=rest_ids,
+            attention_mask=torch.cat([prefix_mask[index], rest_mask], dim=1),
+            position_ids=(q_B.unsqueeze(-1) + offsets).masked_fill(rest_mask == 0, 0),
+            past_key_values=cache,
+        ).logits
+    rest_B_S = token_logprobs(
+        _without(logits[:, :-1].float(), unsampled) / temperature, rest_ids[:, 1:]
+    )
+    # Back to the batch's layout: column t holds the log-prob of token t+1, i.e. rest column
+    # t - q; outside [q, length - 1) nothing the loss reads.
+    t_B_T = torch.arange(ids.shape[1] - 1, device=device).expand(len(data), -1)
+    at = (t_B_T - q_B.unsqueeze(-1)).clamp(0, rest - 2)
+    inside = (t_B_T >= q_B.unsqueeze(-1)) & (t_B_T < (lengths_B - 1).unsqueeze(-1))
+    return rest_B_S.gather(1, at).masked_fill(~inside, 0.0)
+
+
+def _unsampled_token_ids(image_inputs: ImageInputs | None) -> list[int]:
+    return image_inputs.unsampled_token_ids if image_inputs is not None else []
+
+
+def _without(logits_B_T_V: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
+    """The logits with ``token_ids`` at -inf (tokens the policy never samples)."""
+    if not token_ids:
+        return logits_B_T_V
+    logits_B_T_V = logits_B_T_V.clone()
+    logits_B_T_V[..., token_ids] = float("-inf")
+    return logits_B_T_V
+
+
+def _next_token_logprobs(
+    model: torch.nn.Module,
+    b: dict[str, torch.Tensor],
+    temperature: float,
+    unsampled: list[int],
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``(B, T-1)`` float32 log-probs of each next token of ``b["ids"]`` under the policy
+    (images through ``pixel_values`` when the batch has them); the forward pass autocasts to
+    ``dtype``, the log-softmax is float32. ``unsampled`` tokens are excluded from the
+    distribution; where one is the target (an injected image token, mask 0) the log-prob is
+    0.0 rather than -inf, so masked sums stay finite."""
+    vision = {"pixel_values": b["pixel_values"]} if "pixel_values" in b else {}
+    with forward_autocast(dtype, b["ids"].device):
+        logits = model(input_ids=b["ids"], attention_mask=b["attention"], **vision).logits
+    targets = b["ids"][:, 1:]
+    logprobs = token_logprobs(_without(logits[:, :-1].float(), unsampled) / temperature, targets)
+    if not unsampled:
+        return logprobs
+    injected = torch.isin(targets, torch.tensor(unsampled, device=targets.device))
+    return logprobs.masked_fill(injected, 0.0)
+
+
+def _off_policy_correction(
+    logprobs_B_T: torch.Tensor,
+    b: dict[str, torch.Tensor],
+    sampled_B_T: torch.Tensor,
+    correction: dict[str, Any] | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, dict[str, float]]:
+    """The policy loss's old log-probs and per-token weights, with their metrics.
+
+    ``correction`` unset: the sampler's log-probs and no weights, so the ratio is
+    ``pi_theta / pi_sampler`` and the sampler/trainer mismatch (and, with rollouts sampled
+    ahead, the updates the sampler is behind) sits inside it. Set (``{"name": "tis" | "mis" |
+    "decoupled", "cap": …, "band": …}``, ``algorithms.off_policy_correction``): the ratio is
+    against the trainer's own log-probs before the update (the proximal policy), and each
+    sampled token's term is weighted by its importance weight against the sampler (the
+    behaviour policy): truncated (tis), dropped outside a band (mis) or dropped over a cap
+    (decoupled); rows without sampler log-probs get weight 1.
+    """
+    if correction is None:
+        return b["old"], None, {}
+    weigh = off_policy_correction(
+        correction["name"], correction.get("cap"), tuple(correction.get("band", (0.5, 2.0)))
+    )
+    # The RL update stage (tasks.rl.update) takes exactly one optimiser step per batch: one
+    # forward_backward, then one optim_step. So the trainer's log-probs before the update are
+    # this forward pass's, detached (the ratio starts at 1): no second pass is needed. With
+    # schedule.off_policy_steps 1 the trainer is an update ahead of the sampler, and w then
+    # corrects that update's change too (the sampler is the behaviour policy).
+    trainer_old_B_T = logprobs_B_T.detach()
+    weights_B_T, metrics = weigh(trainer_old_B_T, b["old"], sampled_B_T)
+    return trainer_old_B_T, weights_B_T, metrics
+
+
+class TorchTrainer:
+    """AdamW on all weights or on a LoRA adapter; losses chosen by name. Master weights and
+    optimiser state are float32; with ``spec.dtype`` bfloat16 the forward pass autocasts
+    (``backends.models.precision``)."""
+
+    restartable = True
+    """Built again in its process from a new spec, it is a new trainer (``actors``)."""
+
+    def __init__(self, spec: WorkerSpec, loaded: Loaded | None = None, adapter: str = "default"):
+        """``loaded`` and ``adapter``: as ``HFSampler``'s (the optimiser holds the parameters
+        that require gradients when it is built: the active adapter's)."""
+        self.spec = spec
+        self.adapter = adapter
+        self.device = _device(spec)
+        self.dtype = compute_dtype(spec.dtype, self.device)
+        self.model, self.tokenizer, self.model_path = loaded or load_policy_model(spec)
+        self.model.train()
+        self.image_inputs = ImageInputs.for_model(self.model_path)  # None: text only
+        self.optimizer = self._new_optimizer()
+        self.version = 0
+        self._reference: torch.nn.Module | None = None  # full-parameter KL only
+
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        return torch.optim.AdamW(
+            params, lr=self.spec.learning_rate, weight_decay=self.spec.weight_decay
+        )
+
+    def _batch(self, data: list[Datum]) -> dict[str, torch.Tensor]:
+        """Right-pad a list of Datum into B x T tensors (shifted so position t predicts t+1),
+        plus ``pixel_values`` of the data's images when any datum has some."""
+        width = max(len(d.tokens) for d in data)
+        pad = pad_id(self.tokenizer)
+
+        def padded(rows: list[list], value: float, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+
+        ids = padded([d.tokens for d in data], pad, torch.long)
+        attention = padded([[1] * len(d.tokens) for d in data], 0, torch.long)
+        mask = padded([d.loss_mask for d in data], 0.0, torch.float32)
+        old = padded([d.old_logprobs or [0.0] * len(d.tokens) for d in data], 0.0, torch.float32)
+        has_old = torch.tensor([float(bool(d.old_logprobs)) for d in data])
+        advantages = torch.tensor([d.advantage for d in data], dtype=torch.float32)
+        batch = {
+            "ids": ids,
+            "attention": attention,
+            "mask": mask[:, 1:],
+            "old": old[:, 1:],
+            "has_old": has_old,
+            "advantages": advantages,
+        }
+        batch = {k: v.to(self.device) for k, v in batch.items()}
+        return batch | vision_inputs(self.image_inputs, [d.images for d in data], self.device)
+
+    def _logprobs(self, b: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
+        """Log-probs of each next token; ``temperature`` matches the sampling distribution."""
+        return _next_token_logprobs(
+            self.model, b, temperature, _unsampled_token_ids(self.image_inputs), self.dtype
+        )
+
+    def _loss_logprobs(
+        self, data: list[Datum], b: dict[str, torch.Tensor], temperature: float
+    ) -> torch.Tensor:
+        """``_logprobs`` where the loss reads them (``b["mask"]``); rows that repeat a prompt
+        (a GRPO group) run it once (``_shared_prefix_logprobs``)."""
+        if "pixel_values" not in b:
+            shared = _shared_prefix_logprobs(
+                self.model,
+                data,
+                b,
+                temperature,
+                _unsampled_token_ids(self.image_inputs),
+                self.dtype,
+            )
+            if shared is not None:
+                return shared
+        return self._logprobs(b, temperature)
+
+    def forward_backward(
+        self,
+        data: list[Datum],
+        loss_fn: str,
+        loss_config: dict[str, Any] | None = None,
+        temperature: float = 1.0,
+    ) -> dict[str, float]:
+        """Accumulate gradients of ``loss_fn`` over ``data``.
+
+        ``"cross_entropy"`` is SFT (mean NLL over mask-1 tokens); any other name is a policy
+        loss from ``backends.engines.algorithms.POLICY_LOSSES``, evaluated at the sampling
+        ``temperature`` so that the ratio to the sampler's log-probs starts at 1.
+        ``loss_config`` holds the loss's options (``clip_eps``, ``clip_eps_high``, ``loss_agg``)
+        and optionally ``kl_coef`` / ``kl_estimator``: with ``kl_coef > 0`` the loss gains
+        ``kl_coef * agg(kl(logp, ref_logp))`` against the reference model. With ``is_correction``
+        (or ``tis_cap``) set the policy loss is corrected for the sampler/trainer mismatch
+        (``_off_policy_correction``).
+        Where data carry the sampler's log-probs, the metrics include ``mismatch_kl``
+        (``algorithms.mismatch_kl``): sampler/trainer precision drift on an on-policy step; one
+        step off policy it includes one update's change as well.
+        """
+        options = dict(loss_config or {})
+        kl_coef = float(options.pop("kl_coef", 0.0))
+        kl_estimator = options.pop("kl_estimator", "k3")
+        correction = options.pop("is_correction", None)
+        tis_cap = options.pop("tis_cap", None)  # the older spelling of {"name": "tis", "cap": C}
+        if correction is None and tis_cap is not None:
+            correction = {"name": "tis", "cap": tis_cap}
+        b = self._batch(data)
+        logprobs_B_T = self._loss_logprobs(data, b, temperature)
+        sampled_B_T = b["mask"] * b["has_old"].unsqueeze(-1)  # tokens with sampler log-probs
+        if loss_fn == "cross_entropy":
+            loss = -(logprobs_B_T * b["mask"]).sum() / b["mask"].sum().clamp(min=1)
+            metrics: dict[str, float] = {}
+        else:
+            old_B_T, weights_B_T, metrics = _off_policy_correction(
+                logprobs_B_T, b, sampled_B_T, correction
+            )
+            policy_loss = get_policy_loss(loss_fn)
+            loss, loss_metrics = policy_loss(
+                logprobs_B_T,
+                old_B_T,
+                b["advantages"],
+                b["mask"],
+                weights_B_T=weights_B_T,
+                **options,
+            )
+            metrics |= loss_metrics
+        if kl_coef > 0:
+            ref_B_T = self._reference_logprobs(b, temperature)
+            kl_B_T = KL_ESTIMATORS[kl_estimator](logprobs_B_T, ref_B_T)
+            aggregate = LOSS_AGGREGATIONS[options.get("loss_agg", "token-mean")]
+            kl = aggregate(kl_B_T, b["mask"])
+            loss = loss + kl_coef * kl
+            metrics["kl_ref"] = float(kl.detach())
+        if bool(b["has_old"].any()):
+            metrics["mismatch_kl"] = float(mismatch_kl(logprobs_B_T, b["old"], sampled_B_T))
+        self._backward(loss)
+        return {"loss": float(loss.detach()), **metrics}
+
+    def _backward(self, loss: torch.Tensor) -> None:
+        """Backpropagate ``loss`` (the DeepSpeed trainer routes it through its engine)."""
+        loss.backward()
+
+    @torch.no_grad()
+    def _reference_logprobs(
+        self, b: dict[str, torch.Tensor], temperature: float = 1.0
+    ) -> torch.Tensor:
+        """Log-probs under the reference policy: with LoRA the base model with the adapter
+        disabled (no second copy); full-parameter, a frozen copy of the starting weights,
+        loaded on first use (only jobs with a KL term pay for it)."""
+        if self.spec.lora.enabled:
+            with self.model.disable_adapter():
+                return self._logprobs(b, temperature)
+        if self._reference is None:
+            reference = load_causal_lm(self.model_path).to(self.device).eval()
+            self._reference = reference.requires_grad_(False)
+        return _next_token_logprobs(
+            self._reference, b, temperature, _unsampled_token_ids(self.image_inputs), self.dtype
+        )
+
+    @torch.no_grad()
+    def compute_ref_logprobs(
+        self, data: list[Datum], temperature: float = 1.0
+    ) -> list[list[float]]:
+        """Reference log-probability of every token given its prefix (first token: 0.0), for
+        a KL penalty in the reward."""
+        b = self._batch(data)
+        ref_B_T = self._reference_logprobs(b, temperature)
+        return [[0.0] + ref_B_T[i, : len(d.tokens) - 1].tolist() for i, d in enumerate(data)]
+
+    def advantages(self, rewards: list[float], group_ids: list[int], estimator: str) -> list[float]:
+        """Each episode's advantage from the returns of its group (``estimator``: an
+        ``algorithms.ADVANTAGE_ESTIMATORS`` name). The reward stage asks the trainer, which
+        holds the algorithms, so the flow's process never imports torch."""
+        rewards_N = torch.tensor(rewards, dtype=torch.float32)
+        groups_N = torch.tensor(group_ids)
+        return get_advantage_estimator(estimator)(rewards_N, groups_N).tolist()
+
+    @torch.no_grad()
+    def kl_penalised_advantages(
+        self,
+        data: list[Datum],
+        rewards: list[float],
+        group_ids: list[int],
+        temperature: float,
+        kl_coef: float,
+        kl_estimator: str,
+        estimator: str,
+    ) -> tuple[list[float], dict[str, float]]:
+        """KL in the reward: ``r - kl_coef * sum_t kl(sampler logp, reference logp)`` over each
+        datum's sampled tokens, then the advantages of the penalised returns; with the mean KL
+        and penalised return as metrics."""
+        ref = self.compute_ref_logprobs(data, temperature)
+        width = max(len(d.tokens) for d in data)
+
+        def padded(rows: list[list[float]]) -> torch.Tensor:
+            return torch.tensor([r + [0.0] * (width - len(r)) for r in rows], dtype=torch.float32)
+
+        penalised_N, kl_N = kl_penalized_rewards(
+            torch.tensor(rewards, dtype=torch.float32),
+            padded([d.old_logprobs for d in data]),
+            padded(ref),
+            padded([[float(m) for m in d.loss_mask] for d in data]),
+            kl_coef,
+            kl_estimator,
+        )
+        advantages_N = get_advantage_estimator(estimator)(penalised_N, torch.tensor(group_ids))
+        metrics = {"kl_ref": float(kl_N.mean()), "reward_penalised": float(penalised_N.mean())}
+        return advantages_N.tolist(), metrics
+
+    def optim_step(self) -> dict[str, float]:
+        """Clip gradients, take one AdamW step, bump the weights version."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.spec.max_grad_norm)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return {"grad_norm": float(grad_norm), "weights_version": self.version}
+
+    @torch.no_grad()
+    def compute_logprobs(self, data: list[Datum], temperature: float = 1.0) -> list[list[float]]:
+        """Log-probability of every token given its prefix (first token: 0.0)."""
+        b = self._batch(data)
+        logprobs_B_T = self._logprobs(b, temperature)
+        return [[0.0] + logprobs_B_T[i, : len(d.tokens) - 1].tolist() for i, d in enumerate(data)]
+
+    def get_weights(self) -> tuple[dict[str, torch.Tensor], int]:
+        """The trainable weights (adapter only for LoRA) and their version, for weight sync."""
+        return _trainable_state(self.model, self.spec.lora.enabled, self.adapter), self.version
+
+    def get_weights_version(self) -> int:
+        """Optimiser steps taken (restored from checkpoints): the version ``get_weights`` gives."""
+        return self.version
+
+    def save_state(self, storage_url: str, prefix: str, step: int, meta: dict[str, Any]) -> str:
+        """Commit a resumable checkpoint: trainable weights, optimiser, RNG, step, ``meta``."""
+        from flowrl.infra.storage import Storage, commit_checkpoint
+
+        optim, rng = io.BytesIO(), io.BytesIO()
+        torch.save(self.optimizer.state_dict(), optim)
+        torch.save({"torch": torch.get_rng_state()}, rng)
+        files = {
+            "weights.safetensors": save_safetensors(
+                _trainable_state(self.model, self.spec.lora.enabled, self.adapter)
+            ),
+            "optimizer.pt": optim.getvalue(),
+            "rng.pt": rng.getvalue(),
+        }
+        meta = {**meta, "weights_version": self.version, "lora": self.spec.lora.enabled}
+        return commit_checkpoint(Storage(storage_url), prefix, step, files, meta)
+
+    def load_state(self, storage_url: str, prefix: str) -> dict[str, Any] | None:
+        """Load the latest complete checkpoint under ``prefix``; its meta, or None if none."""
+        from flowrl.infra.storage import Storage, load_latest_checkpoint
+
+        latest = load_latest_checkpoint(Storage(storage_url), prefix)
+        if latest is None:
+            return None
+        step, files, meta = latest
+        state = load_safetensors(files["weights.safetensors"])
+        _load_trainable_state(self.model, state, self.spec.lora.enabled, self.adapter)
+        self.optimizer.load_state_dict(
+            torch.load(io.BytesIO(files["optimizer.pt"]), weights_only=True)
+        )
+        torch.set_rng_state(torch.load(io.BytesIO(files["rng.pt"]), weights_only=True)["torch"])
+        self.version = int(meta.get("weights_version", step))
+        return {**meta, "step": step}
+
+    def export_pretrained(self, storage_url: str, rel: str) -> str:
+        """Write the policy as a plain HF folder (LoRA merged) under ``rel``; return its URI.
+        With LoRA the folder also keeps the adapter itself and its base (``LORA_EXPORT``), so
+        the version can run as an adapter on a shared worker of that base."""
+        from flowrl.infra.storage import Storage
+
+        storage = Storage(storage_url)
+        model = self.model
+        if self.spec.lora.enabled:
+            model = self._merged_copy()
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp)
+            copy_model_files(self.model_path, tmp)  # tokenizer, template, generation config
+            if self.spec.lora.enabled:
+                write_lora_export(
+                    tmp,
+                    _trainable_state(self.model, True, self.adapter),
+                    self.spec.model_uri,
+                    self.spec.lora.model_dump(mode="json"),
+                )
+            storage.put_dir(tmp, rel)
+        return storage.uri(rel)
+
+    def _merged_copy(self) -> torch.nn.Module:
+        """A plain model with the adapter merged in; the live adapter and RNG are untouched."""
+        from peft import get_peft_model, set_peft_model_state_dict
+
+        with torch.random.fork_rng(devices=[]):  # the throwaway adapter init draws randoms
+            copy = get_peft_model(load_causal_lm(self.model_path), lora_config(self.spec))
+        set_peft_model_state_dict(copy, _trainable_state(self.model, True, self.adapter))
+        return copy.merge_and_unload()
