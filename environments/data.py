@@ -19,7 +19,6 @@ from pathlib import PurePosixPath
 from typing import Any
 
 import fsspec
-import pyarrow.parquet as pq
 
 ROW_FORMATS = (".jsonl", ".json", ".parquet")
 """File extensions ``load_rows`` understands."""
@@ -46,6 +45,8 @@ def load_rows(uri: str, storage_options: dict[str, Any] | None = None) -> list[d
         raise FileNotFoundError(f"data file not found: {uri!r}")
     with fs.open(path, "rb") as f:
         if suffix == ".parquet":
+            import pyarrow.parquet as pq  # only for parquet rows
+
             rows = pq.read_table(f).to_pylist()
         elif suffix == ".json":
             rows = json.loads(f.read().decode("utf-8"))

@@ -27,8 +27,8 @@ from pydantic import (
 
 from flowrl.agent_loop.loop import LoopLimits
 from flowrl.backends.models.tiny_model import TinyModelSpec
-from flowrl.backends.policy.actors import ActorResources, SharedWorkerSettings
 from flowrl.backends.policy.placement import OwnWorkers, Placement, SharedTenant, WorkerBuild
+from flowrl.backends.policy.resources import ActorResources, SharedWorkerSettings
 from flowrl.backends.types import (
     ADVANTAGE_NAMES,
     KL_ESTIMATOR_NAMES,

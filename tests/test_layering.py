@@ -280,3 +280,27 @@ def test_the_installed_wheel_runs_infra_up_and_a_job_from_a_user_folder(
     assert "config file not found" not in shipped.stderr
     assert "schedule.steps" in shipped.stderr  # ... and validated: steps must be >= 1
     assert shipped.returncode == 2
+
+
+HEAVY = ("ray", "torch", "transformers", "pyarrow", "prefect", "mlflow")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [None, ["config", "arithmetic"], ["--help"], ["jobs", "--help"], ["config", "--help"]],
+    ids=["schemas", "config", "help", "jobs-help", "config-help"],
+)
+def test_reading_configs_and_the_cli_import_no_engine(argv: list[str] | None):
+    """The job schemas import neither Ray, torch, transformers, pyarrow, Prefect nor MLflow, and
+    neither does ``flowrl config`` or ``flowrl --help``: they start nothing (``flowrl config``
+    took 1.6 s when the schemas pulled in Ray and transformers; ~0.4 s without)."""
+    if argv is None:
+        run = "import flowrl.tasks.schemas"
+    else:
+        run = f"from flowrl.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass"
+    code = f"import sys\n{run}\nprint(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]

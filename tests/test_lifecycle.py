@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from flowrl.backends.policy.actors import ActorResources
 from flowrl.backends.policy.placement import InProcess, OwnWorkers, WorkerBuild
+from flowrl.backends.policy.resources import ActorResources
 from flowrl.environments.arithmetic import ArithmeticTask
 from flowrl.tasks.schemas import (
     InferenceJobConfig,

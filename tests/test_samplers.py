@@ -106,8 +106,8 @@ def test_an_on_policy_job_colocates_its_sampler_and_trainer_unless_told_otherwis
     """Unset, ``resources.colocate`` follows the job: on-policy with one sampler and the hf
     and torch backends, one actor holds both roles and all the job's GPU slots; a shared
     worker's tenant keeps its own sampler and trainer adapters at any staleness."""
-    from flowrl.backends.policy.actors import SharedWorkerSettings
     from flowrl.backends.policy.placement import SharedTenant
+    from flowrl.backends.policy.resources import SharedWorkerSettings
 
     on_policy = load_job(None, ["resources.gpus=2"]).placement_for()
     assert on_policy.colocate and on_policy.build.resources.num_gpus == 2.0

@@ -21,14 +21,13 @@ import ray
 import torch
 
 from flowrl.backends.policy.actors import (
-    SharedWorkerSettings,
     sampler,
-    shared_worker_name,
     shared_worker_stats,
     start_policy,
     stop_policy,
     trainer,
 )
+from flowrl.backends.policy.resources import SharedWorkerSettings, shared_worker_name
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec
 from flowrl.infra.settings import RAY_NAMESPACE as NAMESPACE
 

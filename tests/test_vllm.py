@@ -15,7 +15,6 @@ import os
 import pytest
 
 from flowrl.backends.policy.actors import (
-    SAMPLER_BACKENDS,
     backend_runtime_env,
     sampler,
     start_policy,
@@ -23,6 +22,7 @@ from flowrl.backends.policy.actors import (
     sync_weights,
     trainer,
 )
+from flowrl.backends.policy.resources import SAMPLER_BACKENDS
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec
 from flowrl.infra.settings import get_settings
 

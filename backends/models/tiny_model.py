@@ -14,13 +14,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, Field, model_validator
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
 
 from flowrl.infra.configfile import STRICT_MODEL_CONFIG
 
-if TYPE_CHECKING:  # the model classes load where weights do, not in the flow process
-    from transformers import LlamaConfig
+if TYPE_CHECKING:  # tokenizers and model classes load where they are built, not in a process
+    # that only reads configs (``flowrl config``)
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
 
 PAD_TOKEN = "<pad>"
 UNK_TOKEN = "<unk>"
@@ -141,6 +140,9 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     (spaces included). Ids are deterministic: specials first (see ``SPECIAL_TOKENS``), then the
     characters in code-point order.
     """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
     backend = Tokenizer(models.WordLevel(unk_token=UNK_TOKEN))
     # Split every character (newlines included) into its own pre-token; Fuse joins them back
     # with no separator on decode, which is what makes spaces round-trip.

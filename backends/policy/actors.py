@@ -14,9 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
-import hashlib
 import importlib
-import json
 import os
 import time
 from collections.abc import Callable
@@ -25,6 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
+from flowrl.backends.policy.resources import (
+    SHARED_CONCURRENCY,
+    SHARED_WORKER,
+    VLLM_VENV_BACKENDS,
+    ActorResources,
+    SharedWorkerSettings,
+    role_specs,
+    shared_worker_name,
+)
 from flowrl.backends.types import JobTenancy, Tenancy, WorkerSpec
 from flowrl.infra.settings import RAY_NAMESPACE, get_settings, worker_environment
 
@@ -37,26 +44,6 @@ _LOCAL_WORKERS: dict[str, Any] = {}
 # Ray garbage-collects a (non-detached) actor once its creator drops every handle, named or
 # not: the creating process keeps one here until stop_policy.
 _OWNED_ACTORS: dict[str, Any] = {}
-
-SAMPLER_BACKENDS: dict[str, str] = {
-    "hf": "flowrl.backends.engines.hf_workers:HFSampler",
-    "vllm": "flowrl.backends.engines.vllm_sampler:VLLMSampler",
-}
-TRAINER_BACKENDS: dict[str, str] = {
-    "torch": "flowrl.backends.engines.hf_workers:TorchTrainer",
-    "deepspeed": "flowrl.backends.engines.deepspeed_trainer:DeepSpeedTrainer",  # ZeRO-2
-    "deepspeed_zero3": "flowrl.backends.engines.deepspeed_trainer:DeepSpeedZero3Trainer",
-}
-"""Backends by the name ``resources.*_backend`` selects, as ``module:Class``. A backend is
-imported by the worker that runs it, never by the process that starts it: the flow's driver
-holds no torch models, PEFT or DeepSpeed, and only the machines that run vLLM or DeepSpeed need
-the packages."""
-
-
-TINKER_VLLM_BACKEND = "flowrl.backends.engines.tinker.vllm_sampling:TinkerVLLMSampler"
-"""The Tinker API's sampling models on vLLM (``backends.policy.placement.VLLMEngines``)."""
-VLLM_VENV_BACKENDS = (SAMPLER_BACKENDS["vllm"], TINKER_VLLM_BACKEND)
-"""Backends that import vLLM, so run on the interpreter of vLLM's venv."""
 
 
 def start_sampler_actor(name: str, path: str, spec: WorkerSpec, resources: ActorResources) -> Any:
@@ -203,14 +190,6 @@ class _Role:
         return functools.partial(self._worker.call_as, self._role, verb)
 
 
-@dataclass(frozen=True)
-class ActorResources:
-    """What each worker asks the cluster for."""
-
-    num_cpus: float = 1.0
-    num_gpus: float = 0.0
-
-
 class _Proxy:
     """Calls a worker's verbs synchronously, whether it is a Ray actor or a local object; a
     Ray actor's ``call_as`` gets ``route`` first (the role; a shared worker's tenant and
@@ -286,12 +265,6 @@ def start_policy(
     else:
         chosen = where.OwnWorkers(build, samplers=samplers, colocate=colocate)
     return chosen.start_policy(name, spec)
-
-
-def role_specs(spec: WorkerSpec, trainer_threads: int | None) -> dict[str, WorkerSpec]:
-    """The sampler's and the trainer's spec: the trainer may run its own number of threads."""
-    trainer_spec = spec.model_copy(update={"torch_threads": trainer_threads or spec.torch_threads})
-    return {"sampler": spec, "trainer": trainer_spec}
 
 
 def restart_policy(ref: PolicyRef, spec: WorkerSpec, trainer_threads: int | None = None) -> bool:
@@ -574,45 +547,6 @@ class LocalPolicy(PolicyRef):
             _LOCAL_WORKERS.pop(name, None)
 
 
-SHARED_WORKER = "flowrl.backends.engines.shared_worker:SharedWorker"
-SHARED_CONCURRENCY = 64  # calls a shared worker takes in at once (its tenants' and its own)
-
-
-@dataclass(frozen=True)
-class SharedWorkerSettings:
-    """How a tenant's shared base-model worker is found or started (``SharedTenant``'s): the
-    worker holds ``gpus`` slots of the scheduler's ``gpu`` limit once, for all its tenants
-    (through the Prefect API at ``prefect_api_url``), and ends after ``idle_timeout_s`` without
-    a tenant. The worker that starts first sets these for all its tenants."""
-
-    gpus: int = 0
-    idle_timeout_s: float = 120.0
-    prefect_api_url: str | None = None
-    mix_batches: bool = True  # tenants' concurrent sampling calls share forward passes
-    resident: int = 0  # tenants in the worker's memory at once, others parked on disk (0: all)
-
-    @classmethod
-    def from_settings(
-        cls, gpus: int = 0, prefect_api_url: str | None = None
-    ) -> SharedWorkerSettings:
-        """The settings' idle timeout, residency and batch mixing (``FLOWRL_SHARED_*``)."""
-        s = get_settings()
-        return cls(
-            gpus=gpus,
-            idle_timeout_s=s.shared_idle_s,
-            prefect_api_url=prefect_api_url,
-            mix_batches=s.shared_mix_batches,
-            resident=s.shared_resident,
-        )
-
-
-def shared_worker_name(spec: WorkerSpec) -> str:
-    """The name of the shared worker for ``spec``'s base model, device and precision: the
-    tenants of one base find one worker; its admission limit is ``adapter-slots-<name>``."""
-    key = json.dumps([spec.model_uri, spec.device, spec.dtype])
-    return f"shared-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
-
-
 class SharedHost:
     """The Ray actor of a shared base-model worker (``SHARED_WORKER``, built in the actor's own
     process: the process that starts it imports no torch)."""
@@ -771,10 +705,3 @@ def run_on_ray(fn: Callable[..., Any], *args: Any) -> Any:
 
 def _located(fn: Callable[..., Any], *args: Any) -> tuple[Any, tuple[str, int]]:
     return fn(*args), _here()
-
-
-def pick_backend(registry: dict[str, str], name: str, what: str) -> str:
-    """The ``module:Class`` of backend ``name`` in ``registry``; an unknown name raises."""
-    if name not in registry:
-        raise ValueError(f"unknown {what} backend {name!r}; known: {sorted(registry)}")
-    return registry[name]

@@ -33,30 +33,21 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-import ray
-
-from flowrl.backends.policy.actors import (
+from flowrl.backends.policy.resources import (
     SAMPLER_BACKENDS,
     TINKER_VLLM_BACKEND,
     TRAINER_BACKENDS,
     ActorResources,
-    ColocatedPolicy,
-    LocalPolicy,
-    PolicyRef,
-    SharedPolicy,
     SharedWorkerSettings,
-    SplitPolicy,
-    admission,
-    join_shared_worker,
     pick_backend,
     role_specs,
     shared_worker_name,
-    start_sampler_actor,
 )
 from flowrl.backends.types import ModelTenancy, Precision, WorkerSpec
 from flowrl.infra.settings import RAY_NAMESPACE, get_settings
 
 if TYPE_CHECKING:
+    from flowrl.backends.policy.actors import PolicyRef
     from flowrl.backends.policy.tinker_handles import ModelHandle
 
 SESSION_START_TIMEOUT_S = 900.0
@@ -179,6 +170,8 @@ class InProcess(Placement):
     kind: ClassVar[str] = "in-process"
 
     def start_policy(self, name: str, spec: WorkerSpec) -> PolicyRef:
+        from flowrl.backends.policy.actors import LocalPolicy
+
         return LocalPolicy.start(name, self.build.paths(), self.build.specs(spec), self.samplers)
 
     def start_model(self, spec: dict[str, Any]) -> ModelHandle:
@@ -221,6 +214,8 @@ class OwnWorkers(Placement):
         return self.gpus
 
     def start_policy(self, name: str, spec: WorkerSpec) -> PolicyRef:
+        from flowrl.backends.policy.actors import ColocatedPolicy, SplitPolicy
+
         paths, specs = self.build.paths(), self.build.specs(spec)
         options = {
             "namespace": RAY_NAMESPACE,
@@ -235,6 +230,8 @@ class OwnWorkers(Placement):
     def start_model(self, spec: dict[str, Any]) -> ModelHandle:
         """Submit the model's session run (``resources.gpus``: ``gpus``) and wait until its
         actor answers."""
+        import ray
+
         from flowrl.backends.engines.tinker.actor import actor_name
         from flowrl.backends.policy.tinker_handles import RayHandle, connect_service_ray
 
@@ -266,6 +263,8 @@ class OwnWorkers(Placement):
     def find_model(self, model_id: str) -> ModelHandle | None:
         """The session run's actor of ``model_id``, if it still runs (it outlives the
         service's process)."""
+        import ray
+
         from flowrl.backends.engines.tinker.actor import actor_name
         from flowrl.backends.policy.tinker_handles import RayHandle, connect_service_ray
 
@@ -315,6 +314,8 @@ class SharedTenant(Placement):
     def start_policy(self, name: str, spec: WorkerSpec) -> PolicyRef:
         """Join the worker of ``spec``'s base model, starting it if none runs (admission is
         the caller's: ``admission``)."""
+        from flowrl.backends.policy.actors import SharedPolicy
+
         return SharedPolicy.start(
             name, self.build.specs(spec), self._worker(), self.build.resources
         )
@@ -322,7 +323,10 @@ class SharedTenant(Placement):
     def start_model(self, spec: dict[str, Any]) -> ModelHandle:
         """Wait for an adapter slot, then join the model to its base's worker; the handle gives
         the slot back when it closes."""
+        import ray
+
         from flowrl.backends.models.tinker_checkpoints import resolve_base_model
+        from flowrl.backends.policy.actors import join_shared_worker
         from flowrl.backends.policy.tinker_handles import SharedModelHandle, connect_service_ray
 
         connect_service_ray()
@@ -347,6 +351,8 @@ class SharedTenant(Placement):
         return shared_worker_name(self.build.specs(spec)["trainer"])
 
     def admission(self, spec: WorkerSpec) -> contextlib.AbstractContextManager:
+        from flowrl.backends.policy.actors import admission
+
         base = self.build.specs(spec)["trainer"]
         return admission(base, get_settings().shared_adapter_slots)
 
@@ -368,7 +374,10 @@ class VLLMEngines(Placement):
     kind: ClassVar[str] = "vllm-engines"
 
     def start_model(self, spec: dict[str, Any]) -> ModelHandle:
+        import ray
+
         from flowrl.backends.models.tinker_checkpoints import resolve_base_model
+        from flowrl.backends.policy.actors import start_sampler_actor
         from flowrl.backends.policy.tinker_handles import EngineHandle, connect_service_ray
 
         if not ray.is_initialized():
