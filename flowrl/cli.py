@@ -473,8 +473,6 @@ def _infra_up(no_deployments: bool) -> int:
 
 
 def _stack(args) -> int:
-    import json
-
     from flowrl.infra import stack
 
     if args.action == "up":
@@ -500,11 +498,21 @@ def _stack(args) -> int:
         for key, value in state.env.items():
             print(f"export {key}={value}")
         return 0
+    return _stack_status(state, path, args.json)
+
+
+def _stack_status(state, path, as_json: bool) -> int:
+    """``flowrl stack status``: the UI links, the supervisor, each component's pid, state,
+    restarts and address (or all of it as JSON); exit 0 only if everything is RUNNING."""
+    import json
+
+    from flowrl.infra import stack
+
     status = stack.component_status(state)
     for entry in status.values():
         entry["alive"] = entry["state"] == "RUNNING"
     up = state.running() and all(e["alive"] for e in status.values())
-    if args.json:
+    if as_json:
         sup = {**state.supervisor, "alive": state.running()} if state.supervisor else None
         out = {"state_file": str(path), "ui": state.ui, "supervisor": sup, "components": status}
         print(json.dumps(out, indent=2))
