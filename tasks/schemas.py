@@ -11,9 +11,8 @@ where a job runs (settings, the Prefect API, the namespace) is resolved by the r
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -27,8 +26,7 @@ from pydantic import (
 
 from flowrl.agent_loop.loop import LoopLimits
 from flowrl.backends.models.tiny_model import TinyModelSpec
-from flowrl.backends.policy.placement import OwnWorkers, Placement, SharedTenant, WorkerBuild
-from flowrl.backends.policy.resources import ActorResources, SharedWorkerSettings
+from flowrl.backends.policy.resources import SharedWorkerSettings
 from flowrl.backends.types import (
     ADVANTAGE_NAMES,
     KL_ESTIMATOR_NAMES,
@@ -50,6 +48,9 @@ from flowrl.environments.types import TaskConfig
 from flowrl.infra.configfile import STRICT_MODEL_CONFIG, Config, load_config
 from flowrl.infra.redact import redact_text
 from flowrl.infra.settings import scoped_model_name
+
+if TYPE_CHECKING:
+    from flowrl.backends.policy.placement import Placement
 
 JOB_NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9-]{0,79}$"
@@ -521,39 +522,35 @@ class ResourcesSection(_Section, title="Resources"):
     ) -> Placement:
         """Where every policy of the job lives (``backends.policy.placement``; warm-up's too, except
         a shared tenant's, which warms up on workers of its own: ``tasks.model.warmup``):
-        ``OwnWorkers`` with ``placement`` own, a ``SharedTenant`` with shared; the one place
-        the choice is made from a job's config. Its workers' build: the job's GPU slots split
+        ``OwnWorkers`` with ``placement`` own, a ``SharedTenant`` with shared, as
+        ``backends.policy.placement.place`` (the one place that decides) makes them from the
+        job's resources. Its workers' build: the job's GPU slots split
         evenly between a policy's samplers and trainer unless set per worker (a colocated
         policy's one actor, or a shared worker, holds them all), its backends, torch threads and
         precision. ``on_policy``: the job never samples while it trains (``colocate`` unset).
         ``shared_worker`` (needed with ``placement`` shared): how the run finds or starts its
         shared worker, from its settings and Prefect API (``flows.lifecycle`` resolves them);
         the worker's GPU slots are the job's ``gpus``."""
-        if self.placement == "shared":
-            if shared_worker is None:
-                raise ValueError(
-                    "resources.placement shared: placement_for() needs the run's shared_worker "
-                    "settings (flows.lifecycle.shared_worker_settings)"
-                )
-            build = self._build(self.gpus_per_worker or self.gpus)
-            return SharedTenant(build, worker=replace(shared_worker, gpus=self.gpus))
-        colocate = self.colocate
-        if colocate is None:
-            backends = (self.sampler_backend, self.trainer_backend)
-            colocate = on_policy and self.samplers == 1 and backends == ("hf", "torch")
-        workers = 1 if colocate else self.samplers + 1
-        build = self._build(self.gpus_per_worker or self.gpus / workers)
-        return OwnWorkers(build, samplers=self.samplers, colocate=colocate, gpus=self.gpus)
+        if self.placement == "shared" and shared_worker is None:
+            raise ValueError(
+                "resources.placement shared: placement_for() needs the run's shared_worker "
+                "settings (flows.lifecycle.shared_worker_settings)"
+            )
+        from flowrl.backends.policy.placement import place
 
-    def _build(self, gpus_per_worker: float) -> WorkerBuild:
-        """How the job's workers are built, each asking Ray for ``gpus_per_worker``."""
-        return WorkerBuild(
-            resources=ActorResources(num_cpus=1, num_gpus=gpus_per_worker),
+        return place(
+            self.placement,
+            gpus=self.gpus,
+            gpus_per_worker=self.gpus_per_worker,
+            samplers=self.samplers,
+            colocate=self.colocate,
+            on_policy=on_policy,
             sampler_backend=self.sampler_backend,
             trainer_backend=self.trainer_backend,
             torch_threads=self.torch_threads,
             dtype=self.dtype,
             trainer_threads=self.trainer_threads,
+            shared_worker=shared_worker,
         )
 
 

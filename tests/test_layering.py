@@ -304,3 +304,18 @@ def test_reading_configs_and_the_cli_import_no_engine(argv: list[str] | None):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]
+
+
+def test_one_place_decides_placement():
+    """Only ``backends.policy.placement.place`` builds a ``Placement``: a job's config, the
+    Tinker API's flags and ``actors.start_policy`` ask it (docs/architecture.md)."""
+    kinds = {"OwnWorkers", "SharedTenant", "InProcess", "VLLMEngines"}
+    builders = set()
+    for paths in _modules().values():
+        for path in paths:
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Call):
+                    name = getattr(node.func, "id", None) or getattr(node.func, "attr", None)
+                    if name in kinds:
+                        builders.add(str(path.relative_to(REPO)))
+    assert builders == {"backends/policy/placement.py"}, sorted(builders)

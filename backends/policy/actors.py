@@ -253,17 +253,19 @@ def start_policy(
     its config (``ResourcesSection.placement_for``). The trainer runs ``trainer_threads``
     torch threads (default: ``spec.torch_threads``, as the samplers); Ray still counts it as
     ``resources.num_cpus``."""
-    from flowrl.backends.policy import placement as where  # built on this module
+    from flowrl.backends.policy.placement import place  # built on this module
 
-    build = where.WorkerBuild(
-        resources, sampler_backend, trainer_backend, trainer_threads=trainer_threads
+    kind = "local" if local else "shared" if shared is not None else "own"
+    chosen = place(
+        kind,
+        resources=resources,
+        samplers=samplers,
+        colocate=colocate,
+        sampler_backend=sampler_backend,
+        trainer_backend=trainer_backend,
+        trainer_threads=trainer_threads,
+        shared_worker=shared,
     )
-    if local:
-        chosen: where.Placement = where.InProcess(build, samplers=samplers)
-    elif shared is not None:
-        chosen = where.SharedTenant(build, worker=shared)
-    else:
-        chosen = where.OwnWorkers(build, samplers=samplers, colocate=colocate)
     return chosen.start_policy(name, spec)
 
 

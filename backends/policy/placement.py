@@ -30,7 +30,7 @@ import contextlib
 import secrets
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from flowrl.backends.policy.resources import (
@@ -401,3 +401,72 @@ class VLLMEngines(Placement):
         name = f"tinker-vllm-{spec['model_id']}-{secrets.token_hex(3)}"
         actor = start_sampler_actor(name, TINKER_VLLM_BACKEND, worker, self.build.resources)
         return EngineHandle(actor)
+
+
+PLACEMENTS = ("own", "shared", "local", "sessions", "vllm-engines")
+"""The placements ``place`` makes: a job's ``resources.placement`` (own, shared), the Tinker
+API's ``--placement`` (local, sessions, shared) and ``--sampler-engine vllm`` (vllm-engines)."""
+
+
+def place(
+    kind: str,
+    *,
+    gpus: int | None = None,
+    gpus_per_worker: float = 0.0,
+    samplers: int = 1,
+    colocate: bool | None = None,
+    on_policy: bool = True,
+    sampler_backend: str = "hf",
+    trainer_backend: str = "torch",
+    torch_threads: int | None = None,
+    dtype: Precision | None = None,
+    trainer_threads: int | None = None,
+    resources: ActorResources | None = None,
+    shared_worker: SharedWorkerSettings | None = None,
+    session_runs: SessionRuns | None = None,
+    resident_adapters: int | None = None,
+) -> Placement:
+    """The one place that turns resources into a ``Placement``; a job's config
+    (``ResourcesSection.placement_for``), the Tinker API's flags and ``actors.start_policy``
+    all ask it.
+
+    - ``own``: ``OwnWorkers``. ``colocate`` None decides by itself: one actor for both roles
+      when the policy is ``on_policy`` with one sampler on the hf and torch backends. The
+      run's ``gpus`` slots are split evenly between its workers (a colocated policy's one
+      actor holds them all) unless ``gpus_per_worker`` is set.
+    - ``shared``: ``SharedTenant`` of the worker ``shared_worker`` finds or starts (the
+      settings' when None); ``gpus``, if given, are the worker's slots, held once for all its
+      tenants.
+    - ``local``: ``InProcess`` (``resident_adapters``: Tinker adapters kept resident).
+    - ``sessions``: ``OwnWorkers`` whose Tinker models are runs of the session flow, submitted
+      through ``session_runs``, each holding ``gpus`` slots.
+    - ``vllm-engines``: ``VLLMEngines``, the Tinker API's sampling on vLLM.
+
+    ``resources`` sets what each worker asks Ray for directly (notebooks, tests), instead of
+    the share of ``gpus``."""
+    if kind not in PLACEMENTS:
+        raise ValueError(f"unknown placement {kind!r}; known: {', '.join(PLACEMENTS)}")
+    if kind == "own" and colocate is None:
+        backends = (sampler_backend, trainer_backend)
+        colocate = on_policy and samplers == 1 and backends == ("hf", "torch")
+    workers = 1 if kind == "shared" or colocate else samplers + 1
+    share = gpus_per_worker or (gpus or 0) / workers
+    build = WorkerBuild(
+        resources=resources or ActorResources(num_cpus=1, num_gpus=share),
+        sampler_backend=sampler_backend,
+        trainer_backend=trainer_backend,
+        torch_threads=torch_threads,
+        dtype=dtype,
+        trainer_threads=trainer_threads,
+    )
+    if kind == "own":
+        return OwnWorkers(build, samplers=samplers, colocate=bool(colocate), gpus=gpus or 0)
+    if kind == "shared":
+        if shared_worker is not None and gpus is not None:
+            shared_worker = replace(shared_worker, gpus=gpus)
+        return SharedTenant(build, worker=shared_worker)
+    if kind == "local":
+        return InProcess(build, samplers=samplers, resident_adapters=resident_adapters)
+    if kind == "sessions":
+        return OwnWorkers(runs=session_runs, gpus=gpus or 0)
+    return VLLMEngines(build)

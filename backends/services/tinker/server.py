@@ -18,14 +18,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from flowrl.backends.policy.placement import (
-    InProcess,
-    OwnWorkers,
-    Placement,
-    SessionRuns,
-    SharedTenant,
-    VLLMEngines,
-)
+from flowrl.backends.policy.placement import Placement, SessionRuns, place
 from flowrl.backends.services.tinker.journal import Journal
 from flowrl.backends.services.tinker.routes import VERBS, create_app
 from flowrl.backends.services.tinker.service import Limits, TinkerService
@@ -115,10 +108,10 @@ def placement_for(args: argparse.Namespace, session_runs: Callable[[], SessionRu
     submitted through ``session_runs()``), ``shared`` → ``SharedTenant`` (the settings' shared
     worker)."""
     if args.placement == "sessions":
-        return OwnWorkers(runs=session_runs(), gpus=1)
+        return place("sessions", session_runs=session_runs(), gpus=1)
     if args.placement == "shared":
-        return SharedTenant()
-    return InProcess(resident_adapters=args.resident_adapters)
+        return place("shared")
+    return place("local", resident_adapters=args.resident_adapters)
 
 
 def sampler_placement_for(args: argparse.Namespace) -> Placement | None:
@@ -133,7 +126,7 @@ def sampler_placement_for(args: argparse.Namespace) -> Placement | None:
         backend_runtime_env(TINKER_VLLM_BACKEND)
     except ValueError as err:
         raise SystemExit(f"flowrl serve tinker --sampler-engine vllm: {err}") from None
-    return VLLMEngines()
+    return place("vllm-engines")
 
 
 def check_keys(args: argparse.Namespace) -> dict[str, str]:

@@ -38,7 +38,7 @@ from flowrl.backends.models.tinker_checkpoints import (
     run_folder,
     tinker_prefix,
 )
-from flowrl.backends.policy.placement import InProcess, Placement
+from flowrl.backends.policy.placement import InProcess, Placement, place
 from flowrl.backends.policy.tinker_handles import ModelHandle, work_for
 from flowrl.backends.services.tinker.journal import Journal, pending
 from flowrl.backends.services.tinker.wire import write_forward_output, write_sample_response
@@ -144,7 +144,7 @@ class TinkerService:
         self.placement = placement
         if sampler_placement is None:  # in this process; sharing the models' bases if they are
             in_process = isinstance(placement, InProcess)
-            sampler_placement = placement if in_process else InProcess()
+            sampler_placement = placement if in_process else place("local")
         self.sampler_placement = sampler_placement
         # A sampling engine of its own (vLLM): every saved sampler weights, a live model's
         # too, is sampled there, never by a training model's worker.
