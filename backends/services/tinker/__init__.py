@@ -3,7 +3,10 @@ flowrl's models behind it. One module each:
 
 - ``server``: ``flowrl serve tinker`` (flags, keys, the process);
 - ``routes``: the HTTP routes (thin: parse, call one verb, answer);
-- ``service``: the state and verbs (sessions, models, futures, samplers, runs, checkpoints);
+- ``service``: the service, one part per resource, each owning its state: ``calls``
+  (futures, the journal, retries' answers), ``registry`` (sessions and training models),
+  ``training`` (the training verbs), ``sampling`` (samplers and ``sample``), ``checkpoints``
+  (runs and checkpoints in storage); ``state``: their records;
 - ``wire``: the SDK's protobuf messages;
 - ``journal``: what a restarted service carries on.
 

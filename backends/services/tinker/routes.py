@@ -92,9 +92,9 @@ def forward_backward_verb(service: TinkerService, ns: str | None, raw: bytes) ->
     call = read_forward_backward(raw)
 
     def answer() -> dict:
-        return _future(*service.forward_backward(ns, call))
+        return _future(*service.training.forward_backward(ns, call))
 
-    return service.journaled(ns, "forward_backward", call.model_id, call.seq_id, raw, answer)
+    return service.calls.journaled(ns, "forward_backward", call.model_id, call.seq_id, raw, answer)
 
 
 def optim_step_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
@@ -108,9 +108,9 @@ def optim_step_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
     adam = adam_step(params)
 
     def answer() -> dict:
-        return _future(*service.optim_step(ns, req.model_id, adam))
+        return _future(*service.training.optim_step(ns, req.model_id, adam))
 
-    return service.journaled(ns, "optim_step", req.model_id, req.seq_id, raw, answer)
+    return service.calls.journaled(ns, "optim_step", req.model_id, req.seq_id, raw, answer)
 
 
 def save_weights_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
@@ -119,11 +119,11 @@ def save_weights_verb(service: TinkerService, ns: str | None, raw: bytes) -> dic
     req = _parse(t.SaveWeightsRequest, _json(raw))
 
     def answer() -> dict:
-        model = service.model(ns, req.model_id)
-        rid = service.save(model, "weights", req.path, True, req.user_metadata or {})
+        model = service.registry.model(ns, req.model_id)
+        rid = service.checkpoints.save(model, "weights", req.path, True, req.user_metadata or {})
         return _future(rid, model.model_id)
 
-    return service.journaled(ns, "save_weights", req.model_id, req.seq_id, raw, answer)
+    return service.calls.journaled(ns, "save_weights", req.model_id, req.seq_id, raw, answer)
 
 
 def save_for_sampler_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
@@ -133,14 +133,14 @@ def save_for_sampler_verb(service: TinkerService, ns: str | None, raw: bytes) ->
 
     def answer() -> dict:
         if req.path is None:
-            return _future(*service.snapshot_for_sampler(ns, req.model_id))
-        model = service.model(ns, req.model_id)
+            return _future(*service.sampling.snapshot_for_sampler(ns, req.model_id))
+        model = service.registry.model(ns, req.model_id)
         meta = req.user_metadata or {}
-        rid = service.save(model, "sampler_weights", req.path, False, meta)
+        rid = service.checkpoints.save(model, "sampler_weights", req.path, False, meta)
         return _future(rid, model.model_id)
 
     verb = "save_weights_for_sampler"
-    return service.journaled(ns, verb, req.model_id, req.seq_id, raw, answer)
+    return service.calls.journaled(ns, verb, req.model_id, req.seq_id, raw, answer)
 
 
 def asample_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
@@ -156,12 +156,12 @@ def asample_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
     n = req.num_samples
 
     def answer() -> dict:
-        rid = service.sample(
+        rid = service.sampling.sample(
             ns, req.sampling_session_id, prompt, n, params, bool(req.prompt_logprobs)
         )
         return _future(rid, None, sample_sequence_ids=[f"{rid}:{i}" for i in range(n)])
 
-    return service.journaled(ns, "asample", req.sampling_session_id, req.seq_id, raw, answer)
+    return service.calls.journaled(ns, "asample", req.sampling_session_id, req.seq_id, raw, answer)
 
 
 def create_model_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
@@ -172,9 +172,9 @@ def create_model_verb(service: TinkerService, ns: str | None, raw: bytes) -> dic
     model_id = f"{req.session_id}:train:{req.model_seq_id}"
 
     def answer() -> dict:
-        return _future(*service.create_model(ns, req))
+        return _future(*service.registry.create_model(ns, req))
 
-    return service.journaled(ns, "create_model", model_id, req.model_seq_id, raw, answer)
+    return service.calls.journaled(ns, "create_model", model_id, req.model_seq_id, raw, answer)
 
 
 VERBS = {
@@ -241,29 +241,29 @@ def _session_routes(app: FastAPI, service: TinkerService) -> None:
     async def create_session(request: Request) -> dict:
         data = await _body(request)
         _parse(t.CreateSessionRequest, data)
-        session_id = service.create_session(request.state.namespace, data)
+        session_id = service.registry.create_session(request.state.namespace, data)
         return {"type": "create_session", "session_id": session_id}
 
     @app.post(f"{API}/session_heartbeat")
     async def heartbeat(request: Request) -> dict:
         data = await _body(request)
-        service.heartbeat(request.state.namespace, data.get("session_id"))
+        service.registry.heartbeat(request.state.namespace, data.get("session_id"))
         return {"type": "session_heartbeat"}
 
     @app.post(f"{API}/sessions/{{session_id}}/finish")
     async def finish(request: Request, session_id: str) -> Response:
-        session = service.session(request.state.namespace, session_id, live=False)
-        await asyncio.to_thread(service.end_session, session, "finished by the client")
+        session = service.registry.session(request.state.namespace, session_id, live=False)
+        await asyncio.to_thread(service.registry.end_session, session, "finished by the client")
         return _null()
 
     @app.get(f"{API}/sessions")
     async def sessions(request: Request, limit: int = 20, offset: int = 0) -> dict:
-        ids = service.session_ids(request.state.namespace)
+        ids = service.registry.session_ids(request.state.namespace)
         return {"sessions": ids[offset : offset + limit]}
 
     @app.get(f"{API}/sessions/{{session_id}}")
     async def get_session(request: Request, session_id: str) -> dict:
-        s = service.session(request.state.namespace, session_id, live=False)
+        s = service.registry.session(request.state.namespace, session_id, live=False)
         return {
             "training_run_ids": list(s.models),
             "sampler_ids": list(s.samplers),
@@ -284,7 +284,7 @@ def _model_routes(app: FastAPI, service: TinkerService) -> None:
     @app.post(f"{API}/get_info")
     async def get_info(request: Request) -> dict:
         req = _parse(t.GetInfoRequest, await _body(request))
-        model = service.model(request.state.namespace, req.model_id)
+        model = service.registry.model(request.state.namespace, req.model_id)
         return {
             "type": "get_info",
             "model_id": model.model_id,
@@ -298,7 +298,7 @@ def _model_routes(app: FastAPI, service: TinkerService) -> None:
     async def unload_model(request: Request) -> dict:
         req = _parse(t.UnloadModelRequest, await _body(request))
         rid, model_id = await asyncio.to_thread(
-            service.unload_request, request.state.namespace, req.model_id
+            service.registry.unload_request, request.state.namespace, req.model_id
         )
         return _future(rid, model_id)
 
@@ -306,8 +306,8 @@ def _model_routes(app: FastAPI, service: TinkerService) -> None:
     async def weights_info(request: Request) -> dict:
         data = await _body(request)
         ns, path = request.state.namespace, data.get("tinker_path")
-        _, _, folder = await asyncio.to_thread(service.parse_path, ns, path)
-        record = await asyncio.to_thread(service.checkpoint_record, folder)
+        _, _, folder = await asyncio.to_thread(service.checkpoints.parse_path, ns, path)
+        record = await asyncio.to_thread(service.checkpoints.record, folder)
         lora = record["lora"]
         return {
             "base_model": record["base_model"],
@@ -346,7 +346,9 @@ def _training_routes(app: FastAPI, service: TinkerService) -> None:
     @app.post(f"{API}/load_weights")
     async def load_weights(request: Request) -> dict:
         req = _parse(t.LoadWeightsRequest, await _body(request))
-        rid, model_id = await asyncio.to_thread(service.load_weights, request.state.namespace, req)
+        rid, model_id = await asyncio.to_thread(
+            service.training.load_weights, request.state.namespace, req
+        )
         return _future(rid, model_id)
 
 
@@ -357,18 +359,18 @@ def _sampling_routes(app: FastAPI, service: TinkerService) -> None:
     @app.post(f"{API}/create_sampling_session")
     async def create_sampling_session(request: Request) -> dict:
         req = _parse(t.CreateSamplingSessionRequest, await _body(request))
-        sid = await asyncio.to_thread(service.create_sampler, request.state.namespace, req)
+        sid = await asyncio.to_thread(service.sampling.create, request.state.namespace, req)
         return {"type": "create_sampling_session", "sampling_session_id": sid}
 
     @app.post(f"{API}/join_sampling_session")
     async def join_sampling_session(request: Request) -> dict:
         req = _parse(t.JoinSamplingSessionRequest, await _body(request))
-        clients = service.join_sampler(request.state.namespace, req.sampling_session_id)
+        clients = service.sampling.join(request.state.namespace, req.sampling_session_id)
         return {"type": "join_sampling_session", "client_counter": clients}
 
     @app.get(f"{API}/samplers/{{sampler_id}}")
     async def get_sampler(request: Request, sampler_id: str) -> dict:
-        s = service.sampler(request.state.namespace, sampler_id)
+        s = service.sampling.sampler(request.state.namespace, sampler_id)
         return {"sampler_id": s.sampler_id, "base_model": s.base_model, "model_path": s.model_path}
 
     @app.post(f"{API}/asample")
@@ -382,7 +384,7 @@ def _future_routes(app: FastAPI, service: TinkerService) -> None:
     @app.post(f"{API}/retrieve_future")
     async def retrieve_future(request: Request) -> Response:
         data = await _body(request)
-        entry = service.future(request.state.namespace, data.get("request_id"))
+        entry = service.calls.future(request.state.namespace, data.get("request_id"))
         if entry.future.cancelled():
             return JSONResponse({"error": "the request was cancelled", "category": "user"})
         try:
@@ -390,16 +392,16 @@ def _future_routes(app: FastAPI, service: TinkerService) -> None:
                 asyncio.shield(asyncio.wrap_future(entry.future)), service.limits.long_poll_s
             )
         except TimeoutError:
-            service.try_again += 1
+            service.calls.try_again += 1
             again = {"type": "try_again", "request_id": data["request_id"]}
             return JSONResponse(again | {"queue_state": "active"}, status_code=408)
         except (ServiceError, TinkerInputError) as e:
-            service.done(data["request_id"])
+            service.calls.done(data["request_id"])
             return JSONResponse({"error": str(e), "category": "user"})
         except Exception as e:  # the model's own failure: the future fails, the server serves on
-            service.done(data["request_id"])
+            service.calls.done(data["request_id"])
             return JSONResponse({"error": f"{type(e).__name__}: {e}"[:2000], "category": "server"})
-        service.done(data["request_id"])
+        service.calls.done(data["request_id"])
         if isinstance(result, bytes):
             return Response(result, media_type="application/x-protobuf")
         return JSONResponse(result)
@@ -407,7 +409,7 @@ def _future_routes(app: FastAPI, service: TinkerService) -> None:
     @app.post(f"{API}/cancel_future")
     async def cancel_future(request: Request) -> Response:
         data = await _body(request)
-        service.future(request.state.namespace, data.get("request_id")).future.cancel()
+        service.calls.future(request.state.namespace, data.get("request_id")).future.cancel()
         return _null()
 
 
@@ -448,10 +450,10 @@ def _run_routes(app: FastAPI, service: TinkerService) -> None:
     @app.get(f"{API}/training_runs")
     async def training_runs(request: Request, limit: int = 20, offset: int = 0) -> dict:
         ns = request.state.namespace
-        runs = await asyncio.to_thread(service.runs, ns)
+        runs = await asyncio.to_thread(service.checkpoints.runs, ns)
         views = []
         for run in runs[offset : offset + max(0, limit)]:
-            cps = await asyncio.to_thread(service.checkpoints, ns, run["training_run_id"])
+            cps = await asyncio.to_thread(service.checkpoints.of_run, ns, run["training_run_id"])
             views.append(_run_view(run, cps))
         cursor = {"offset": offset, "limit": limit, "total_count": len(runs)}
         return {"training_runs": views, "cursor": cursor}
@@ -459,24 +461,24 @@ def _run_routes(app: FastAPI, service: TinkerService) -> None:
     @app.get(f"{API}/training_runs/{{run_id}}")
     async def training_run(request: Request, run_id: str) -> dict:
         ns = request.state.namespace
-        cps = await asyncio.to_thread(service.checkpoints, ns, run_id)
-        run = await asyncio.to_thread(service.run_record, ns, run_id)
+        cps = await asyncio.to_thread(service.checkpoints.of_run, ns, run_id)
+        run = await asyncio.to_thread(service.checkpoints.run_record, ns, run_id)
         return _run_view(run, cps)
 
     @app.get(f"{API}/training_runs/{{run_id}}/checkpoints")
     async def run_checkpoints(request: Request, run_id: str) -> dict:
-        cps = await asyncio.to_thread(service.checkpoints, request.state.namespace, run_id)
+        cps = await asyncio.to_thread(service.checkpoints.of_run, request.state.namespace, run_id)
         return {"checkpoints": [_checkpoint_view(c) for c in cps]}
 
     @app.delete(f"{API}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}")
     async def delete_checkpoint(request: Request, run_id: str, kind: str, name: str) -> Response:
         path = f"tinker://{run_id}/{kind}/{name}"
-        await asyncio.to_thread(service.delete_checkpoint, request.state.namespace, path)
+        await asyncio.to_thread(service.checkpoints.delete, request.state.namespace, path)
         return _null()
 
     @app.get(f"{API}/checkpoints")
     async def all_checkpoints(request: Request, limit: int = 100, offset: int = 0) -> dict:
-        every = await asyncio.to_thread(service.all_checkpoints, request.state.namespace)
+        every = await asyncio.to_thread(service.checkpoints.everything, request.state.namespace)
         page = every[offset : offset + max(0, limit)]
         cursor = {"offset": offset, "limit": limit, "total_count": len(every)}
         return {"checkpoints": [_checkpoint_view(c) for c in page], "cursor": cursor}
