@@ -109,7 +109,7 @@ def jobs_child(size: str, setup: str, model: str) -> dict[str, Any]:
     four_done = time.time()
     busy_s = 0.0
     if setup != "apart":  # how the shared worker spent the four jobs' time
-        from flowrl.backends.policy.actors import shared_worker_stats
+        from flowrl.backends.policy.workers import shared_worker_stats
 
         (worker,) = [a["name"] for a in ray.util.list_named_actors(True) if "shared-" in a["name"]]
         busy_s = shared_worker_stats(worker)["busy_s"]

@@ -234,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
         check_chat_template(model.source, model.chat_format, model.tool_messages, task)
         resources = getattr(config, "resources", None)
         if resources is not None and resources.sampler_backend != "hf":
-            from flowrl.backends.policy.actors import backend_runtime_env
             from flowrl.backends.policy.resources import SAMPLER_BACKENDS
+            from flowrl.backends.policy.workers import backend_runtime_env
 
             backend_runtime_env(SAMPLER_BACKENDS[resources.sampler_backend])
     except ValueError as err:

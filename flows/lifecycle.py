@@ -25,15 +25,10 @@ from prefect.task_runners import ThreadPoolTaskRunner
 from flowrl.backends.models.lora_export import lora_export
 from flowrl.backends.models.model_uri import resolve_model_uri
 from flowrl.backends.policy import live
-from flowrl.backends.policy.actors import (
-    PolicyRef,
-    admission_limit,
-    sampler,
-    stop_policy,
-    worker_nodes,
-)
+from flowrl.backends.policy.actors import PolicyRef, sampler, stop_policy, worker_nodes
 from flowrl.backends.policy.placement import Placement
 from flowrl.backends.policy.resources import SharedWorkerSettings
+from flowrl.backends.policy.workers import admission_limit
 from flowrl.backends.types import LoraSettings, WorkerSpec
 from flowrl.environments.remote import stop_env_pool
 from flowrl.environments.timeouts import abandoning_calls

@@ -27,7 +27,8 @@ from flowrl.backends.models.model_uri import (
     tiny_model_slot,
 )
 from flowrl.backends.models.tiny_model import TinyModelSpec, build_tiny_model
-from flowrl.backends.policy.actors import PolicyRef, run_on_ray, stop_policy, trainer
+from flowrl.backends.policy.actors import PolicyRef, stop_policy, trainer
+from flowrl.backends.policy.workers import run_on_ray
 from flowrl.backends.types import WorkerSpec
 from flowrl.environments import registry
 from flowrl.environments.agent import AgentTask

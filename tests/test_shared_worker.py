@@ -20,14 +20,9 @@ import pytest
 import ray
 import torch
 
-from flowrl.backends.policy.actors import (
-    sampler,
-    shared_worker_stats,
-    start_policy,
-    stop_policy,
-    trainer,
-)
+from flowrl.backends.policy.actors import sampler, start_policy, stop_policy, trainer
 from flowrl.backends.policy.resources import SharedWorkerSettings, shared_worker_name
+from flowrl.backends.policy.workers import shared_worker_stats
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec
 from flowrl.infra.settings import RAY_NAMESPACE as NAMESPACE
 

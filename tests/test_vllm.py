@@ -14,15 +14,9 @@ import os
 
 import pytest
 
-from flowrl.backends.policy.actors import (
-    backend_runtime_env,
-    sampler,
-    start_policy,
-    stop_policy,
-    sync_weights,
-    trainer,
-)
+from flowrl.backends.policy.actors import sampler, start_policy, stop_policy, sync_weights, trainer
 from flowrl.backends.policy.resources import SAMPLER_BACKENDS
+from flowrl.backends.policy.workers import backend_runtime_env
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec
 from flowrl.infra.settings import get_settings
 

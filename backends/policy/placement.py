@@ -143,7 +143,7 @@ class Placement:
 
     def admission(self, spec: WorkerSpec) -> contextlib.AbstractContextManager:
         """Admission of a policy of ``spec``, held while the context is: one adapter slot of its
-        shared worker (``backends.policy.actors.admission``); nothing to wait for with workers of
+        shared worker (``backends.policy.workers.admission``); nothing to wait for with workers of
         its own."""
         return contextlib.nullcontext()
 
@@ -326,8 +326,8 @@ class SharedTenant(Placement):
         import ray
 
         from flowrl.backends.models.tinker_checkpoints import resolve_base_model
-        from flowrl.backends.policy.actors import join_shared_worker
         from flowrl.backends.policy.tinker_handles import SharedModelHandle, connect_service_ray
+        from flowrl.backends.policy.workers import join_shared_worker
 
         connect_service_ray()
         cache_dir = self.cache_dir or get_settings().model_cache_dir
@@ -351,7 +351,7 @@ class SharedTenant(Placement):
         return shared_worker_name(self.build.specs(spec)["trainer"])
 
     def admission(self, spec: WorkerSpec) -> contextlib.AbstractContextManager:
-        from flowrl.backends.policy.actors import admission
+        from flowrl.backends.policy.workers import admission
 
         base = self.build.specs(spec)["trainer"]
         return admission(base, get_settings().shared_adapter_slots)
@@ -377,8 +377,8 @@ class VLLMEngines(Placement):
         import ray
 
         from flowrl.backends.models.tinker_checkpoints import resolve_base_model
-        from flowrl.backends.policy.actors import start_sampler_actor
         from flowrl.backends.policy.tinker_handles import EngineHandle, connect_service_ray
+        from flowrl.backends.policy.workers import start_sampler_actor
 
         if not ray.is_initialized():
             if get_settings().ray_address is not None:

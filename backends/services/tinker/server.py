@@ -119,8 +119,8 @@ def sampler_placement_for(args: argparse.Namespace) -> Placement | None:
     checked now, before the service starts); None for hf, the service's default."""
     if args.sampler_engine != "vllm":
         return None
-    from flowrl.backends.policy.actors import backend_runtime_env
     from flowrl.backends.policy.resources import TINKER_VLLM_BACKEND
+    from flowrl.backends.policy.workers import backend_runtime_env
 
     try:
         backend_runtime_env(TINKER_VLLM_BACKEND)
