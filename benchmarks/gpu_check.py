@@ -59,7 +59,8 @@ import torch  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 from flowrl.backends.engines.algorithms import mismatch_kl  # noqa: E402
-from flowrl.backends.engines.hf_workers import HFSampler, TorchTrainer  # noqa: E402
+from flowrl.backends.engines.hf_sampler import HFSampler  # noqa: E402
+from flowrl.backends.engines.torch_trainer import TorchTrainer  # noqa: E402
 from flowrl.backends.models.chat import HFChatFormat  # noqa: E402
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec  # noqa: E402
 from tests.families import FAMILIES, build_family  # noqa: E402

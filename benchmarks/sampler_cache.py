@@ -28,7 +28,7 @@ from trl_compare import SIZES  # same folder
 def measure(size: str, repeats: int, home: Path) -> dict[str, Any]:
     import torch
 
-    from flowrl.backends.engines import hf_workers
+    from flowrl.backends.engines import hf_sampler
     from flowrl.backends.models.chat import HFChatFormat
     from flowrl.backends.models.tiny_model import build_tiny_model
     from flowrl.backends.types import WorkerSpec
@@ -37,7 +37,7 @@ def measure(size: str, repeats: int, home: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     cfg = load_job(None, list(SIZES[size].overrides))
     folder = build_tiny_model(cfg.model.tiny, str(home / size))
-    sampler = hf_workers.HFSampler(WorkerSpec(model_uri=folder, cache_dir=str(home / "cache")))
+    sampler = hf_sampler.HFSampler(WorkerSpec(model_uri=folder, cache_dir=str(home / "cache")))
     chat = HFChatFormat(sampler.tokenizer)
     task = cfg.env.task(cfg.seed)
     env = task.make_env()
@@ -51,7 +51,7 @@ def measure(size: str, repeats: int, home: Path) -> dict[str, Any]:
         prompts += [chat.encode_prompt(messages)] * cfg.rollout.group_size
     width = max(len(p) for p in prompts)
     padding = 1 - sum(len(p) for p in prompts) / (width * len(prompts))
-    generate, shared = sampler.model.generate, hf_workers._shared_prompt_cache
+    generate, shared = sampler.model.generate, hf_sampler._shared_prompt_cache
     options = {
         "dynamic cache, shared prompt prefilled once (flowrl)": (generate, shared),
         "dynamic cache (HF default)": (generate, lambda *a: {}),
@@ -62,14 +62,14 @@ def measure(size: str, repeats: int, home: Path) -> dict[str, Any]:
     }
     seconds = {}
     for name, (gen, prefill) in options.items():
-        sampler.model.generate, hf_workers._shared_prompt_cache = gen, prefill
+        sampler.model.generate, hf_sampler._shared_prompt_cache = gen, prefill
         times = []
         for i in range(repeats + 1):
             start = time.perf_counter()
             sampler.sample(prompts, cfg.rollout.max_new_tokens, 1.0, seed=i)
             times.append(time.perf_counter() - start)
         seconds[name] = statistics.median(times[1:])
-    sampler.model.generate, hf_workers._shared_prompt_cache = generate, shared
+    sampler.model.generate, hf_sampler._shared_prompt_cache = generate, shared
     return {"rows": len(prompts), "width": width, "padding": padding, "seconds": seconds}
 
 

@@ -179,7 +179,7 @@ def update(
     loss_config = cfg.algorithm.loss_config()
     computed = time.perf_counter()
     # One forward_backward, one optim_step per batch: with an algorithm.is_correction the
-    # trainer's old log-probs are this pass's, detached (hf_workers._off_policy_correction). A
+    # trainer's old log-probs are this pass's, detached (torch_trainer._off_policy_correction). A
     # second optimiser pass would need them computed once before the first (compute_logprobs).
     metrics = worker.forward_backward(
         data, cfg.algorithm.loss, loss_config, cfg.rollout.temperature

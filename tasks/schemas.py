@@ -322,7 +322,7 @@ class AlgorithmSection(_Section, title="Algorithm"):
         return self
 
     def correction(self) -> dict[str, Any] | None:
-        """The off-policy correction the trainer applies (``hf_workers._off_policy_correction``),
+        """The off-policy correction the trainer applies (``torch_trainer._off_policy_correction``),
         or None."""
         if self.tis_cap is not None:
             return {"name": "tis", "cap": self.tis_cap}

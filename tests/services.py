@@ -219,7 +219,8 @@ def session_endpoint(
 ) -> Iterator[tuple]:
     """Rollout sessions (``backends.services.openai_api.sessions``) on the model in ``folder``,
     behind uvicorn, with its sampler and a trainer in this process: (table, server, trainer)."""
-    from flowrl.backends.engines.hf_workers import HFSampler, TorchTrainer
+    from flowrl.backends.engines.hf_sampler import HFSampler
+    from flowrl.backends.engines.torch_trainer import TorchTrainer
     from flowrl.backends.models.chat import HFChatFormat
     from flowrl.backends.services.openai_api.sessions import (
         Batcher,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flowrl.backends.engines.deepspeed_trainer import DeepSpeedTrainer, DeepSpeedZero3Trainer  # noqa: E402
-from flowrl.backends.engines.hf_workers import HFSampler  # noqa: E402
+from flowrl.backends.engines.hf_sampler import HFSampler  # noqa: E402
 from flowrl.backends.models.tiny_model import TinyModelSpec, build_tiny_model  # noqa: E402
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec  # noqa: E402
 

@@ -22,7 +22,8 @@ import torch
 
 from flowrl.agent_loop.types import SampleResult
 from flowrl.backends.engines.algorithms import mismatch_kl
-from flowrl.backends.engines.hf_workers import HFSampler, TorchTrainer
+from flowrl.backends.engines.hf_sampler import HFSampler
+from flowrl.backends.engines.torch_trainer import TorchTrainer
 from flowrl.backends.models.precision import compute_dtype
 from flowrl.backends.policy import actors
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec

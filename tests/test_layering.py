@@ -70,7 +70,7 @@ BACKENDS_ORDER = ("types", "models", "engines", "policy", "services")
 
 
 def _backends_part(path: Path) -> str | None:
-    """``backends/engines/hf_workers.py`` → ``engines``; ``backends/types.py`` → ``types``;
+    """``backends/engines/hf_sampler.py`` → ``engines``; ``backends/types.py`` → ``types``;
     None for the package's own ``__init__`` and the compatibility module."""
     parts = path.relative_to(REPO / "backends").parts
     if len(parts) > 1:

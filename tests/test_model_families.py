@@ -13,7 +13,7 @@ from families import BROKEN, FAMILIES, NO_SYSTEM, STRICT, build_family, teach
 
 from flowrl.agent_loop.loop import LoopLimits, run_episodes
 from flowrl.agent_loop.types import StopReason
-from flowrl.backends.engines.hf_workers import HFSampler
+from flowrl.backends.engines.hf_sampler import HFSampler
 from flowrl.backends.models.chat import (
     ChatTemplateError,
     ConversationNeeds,

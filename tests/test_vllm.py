@@ -68,7 +68,7 @@ def _data(prompts: list[list[int]], results, advantages: list[float]) -> list[Da
 
 def _trainer_greedy(ref, spec: WorkerSpec, prompts: list[list[int]], length: int):
     """The trainer's greedy tokens: its weights in an ``HFSampler`` of this process."""
-    from flowrl.backends.engines.hf_workers import HFSampler
+    from flowrl.backends.engines.hf_sampler import HFSampler
 
     local = HFSampler(spec)
     local.set_weights(trainer(ref).get_weights())

@@ -18,7 +18,8 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 from flowrl.agent_loop.loop import LoopLimits, run_episodes
 from flowrl.agent_loop.types import Trajectory
-from flowrl.backends.engines.hf_workers import HFSampler, TorchTrainer
+from flowrl.backends.engines.hf_sampler import HFSampler
+from flowrl.backends.engines.torch_trainer import TorchTrainer
 from flowrl.backends.models.chat import HFChatFormat
 from flowrl.backends.models.model_folder import load_causal_lm, load_tokenizer
 from flowrl.backends.models.tiny_model import (

@@ -131,12 +131,12 @@ def test_a_group_sharing_its_prompt_prefills_it_once_and_samples_the_same(
 ):
     """Rows that repeat a prompt (a GRPO group) reuse one prefilled KV cache: the samples and
     their log-probs are those of prefilling every row, and still match the trainer's."""
-    from flowrl.backends.engines import hf_workers
+    from flowrl.backends.engines import hf_sampler
 
     ref = policy()
     grouped = [p for p in prompts for _ in range(4)]
     prefilled: list[int] = []  # rows prefilled ahead of generate, per sample call
-    shared_cache = hf_workers._shared_prompt_cache
+    shared_cache = hf_sampler._shared_prompt_cache
 
     def counted(model, ids, attention):
         forward = model.forward
@@ -151,11 +151,11 @@ def test_a_group_sharing_its_prompt_prefills_it_once_and_samples_the_same(
         finally:
             del model.forward
 
-    monkeypatch.setattr(hf_workers, "_shared_prompt_cache", counted)
+    monkeypatch.setattr(hf_sampler, "_shared_prompt_cache", counted)
     shared = sampler(ref).sample(grouped, MAX_NEW_TOKENS, 1.0, seed=5)
     sampler(ref).sample(prompts, MAX_NEW_TOKENS, 1.0, seed=5)
     assert prefilled == [3]  # 3 distinct prompts once; distinct prompts are not prefilled apart
-    monkeypatch.setattr(hf_workers, "_shared_prompt_cache", lambda *a: {})
+    monkeypatch.setattr(hf_sampler, "_shared_prompt_cache", lambda *a: {})
     full = sampler(ref).sample(grouped, MAX_NEW_TOKENS, 1.0, seed=5)
     assert [r.tokens for r in shared] == [r.tokens for r in full]
     for a, b in zip(shared, full, strict=True):
@@ -174,7 +174,7 @@ def test_a_group_sharing_its_prompt_is_trained_on_one_pass_of_it_with_the_same_g
     """The trainer runs a prompt its rows repeat once (KV cache copied to the rows): the loss,
     the log-probs against the sampler's and every gradient equal those of running each row
     in full, for a policy loss and for SFT's cross-entropy."""
-    from flowrl.backends.engines import hf_workers
+    from flowrl.backends.engines import torch_trainer
 
     ref = policy()
     grouped = [p for p in prompts for _ in range(4)]
@@ -205,7 +205,7 @@ def test_a_group_sharing_its_prompt_is_trained_on_one_pass_of_it_with_the_same_g
         full_tokens = sum(len(d.tokens) for d in data)
         assert len(rows_run) == 2 and sum(rows_run) < full_tokens  # prefixes once, then the rest
         with monkeypatch.context() as m:
-            m.setattr(hf_workers, "_shared_prefix_logprobs", lambda *a: None)
+            m.setattr(torch_trainer, "_shared_prefix_logprobs", lambda *a: None)
             full, full_grads = step(loss_fn)
         assert shared.keys() == full.keys()
         for key in shared:

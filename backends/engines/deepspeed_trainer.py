@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from flowrl.backends.engines.hf_workers import TorchTrainer, _trainable_state
+from flowrl.backends.engines.hf_model import trainable_state
+from flowrl.backends.engines.torch_trainer import TorchTrainer
 from flowrl.backends.types import WorkerSpec
 from flowrl.infra.servers import free_port
 
@@ -103,7 +104,7 @@ class DeepSpeedTrainer(TorchTrainer):
 
     def get_weights(self) -> tuple[dict[str, torch.Tensor], int]:
         with self._full_parameters():
-            return _trainable_state(self.model, self.spec.lora.enabled), self.version
+            return trainable_state(self.model, self.spec.lora.enabled), self.version
 
     def save_state(self, storage_url: str, prefix: str, step: int, meta: dict[str, Any]) -> str:
         """Commit ``engine.save_checkpoint`` (weights + partitioned optimiser) plus the RNG."""

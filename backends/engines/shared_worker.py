@@ -49,8 +49,10 @@ import torch
 
 from flowrl.agent_loop.types import SampleResult
 from flowrl.backends.engines import parking
-from flowrl.backends.engines.hf_workers import HFSampler, TorchTrainer, _device, lora_config
+from flowrl.backends.engines.hf_model import lora_config, worker_device
+from flowrl.backends.engines.hf_sampler import HFSampler
 from flowrl.backends.engines.tinker.model import SharedBase, TinkerModel
+from flowrl.backends.engines.torch_trainer import TorchTrainer
 from flowrl.backends.models.model_folder import load_causal_lm, load_tokenizer
 from flowrl.backends.models.model_uri import resolve_model_uri
 from flowrl.backends.models.precision import forward_autocast
@@ -118,7 +120,7 @@ class SharedWorker:
             self._slots.enter_context(gpu_slots(gpus))
         torch.set_num_threads(base.torch_threads)
         self.spec = base
-        self.device = _device(base)
+        self.device = worker_device(base)
         self.path = resolve_model_uri(base.model_uri, base.cache_dir)
         # float32 master weights: the trainers' precision; samplers autocast to the spec's.
         model = load_causal_lm(self.path, torch.float32).to(self.device)

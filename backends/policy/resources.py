@@ -13,11 +13,11 @@ from flowrl.backends.types import WorkerSpec
 from flowrl.infra.settings import get_settings
 
 SAMPLER_BACKENDS: dict[str, str] = {
-    "hf": "flowrl.backends.engines.hf_workers:HFSampler",
+    "hf": "flowrl.backends.engines.hf_sampler:HFSampler",
     "vllm": "flowrl.backends.engines.vllm_sampler:VLLMSampler",
 }
 TRAINER_BACKENDS: dict[str, str] = {
-    "torch": "flowrl.backends.engines.hf_workers:TorchTrainer",
+    "torch": "flowrl.backends.engines.torch_trainer:TorchTrainer",
     "deepspeed": "flowrl.backends.engines.deepspeed_trainer:DeepSpeedTrainer",  # ZeRO-2
     "deepspeed_zero3": "flowrl.backends.engines.deepspeed_trainer:DeepSpeedZero3Trainer",
 }

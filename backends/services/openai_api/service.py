@@ -17,7 +17,7 @@ one):
   the sampler itself.
 
 Each model is loaded once into this process (HF ``generate``:
-``backends.engines.hf_workers.HFSampler``) and kept while it is among the ``resident_models`` most
+``backends.engines.hf_sampler.HFSampler``) and kept while it is among the ``resident_models`` most
 recently used; its chat format is its family's (``backends.models.chat.HFChatFormat``), as a job's.
 Sampling a model is one call at a time.
 
@@ -275,7 +275,7 @@ class OpenAIService:
             return served
 
     def _load(self, namespace: str | None, name: str) -> Served:
-        from flowrl.backends.engines.hf_workers import HFSampler
+        from flowrl.backends.engines.hf_sampler import HFSampler
         from flowrl.backends.models.chat import HFChatFormat
         from flowrl.backends.types import LoraSettings, WorkerSpec
 

@@ -1,27 +1,21 @@
-"""The torch/transformers/peft workers that hold model weights: a sampler and a trainer.
-
-They are plain classes; ``backends.policy.actors`` runs them as long-lived Ray actors (or in-process
-for benchmarks). Their public methods are the Tinker-style verbs: ``sample``,
-``forward_backward``, ``optim_step``, ``save_state`` / ``load_state``, ``get_weights`` /
-``set_weights`` (weight sync). Storage (fsspec, botocore) is imported by the checkpoint verbs
-only, so the workers run where those are not installed (``benchmarks/gpu_check.py``).
+"""The torch trainer worker (``resources.trainer_backend: torch``): ``TorchTrainer``, a plain
+class that ``backends.policy.workers`` runs as a long-lived Ray actor (or in-process), with the
+Tinker-style verbs ``forward_backward``, ``optim_step``, ``save_state`` / ``load_state``,
+``get_weights`` (weight sync) and ``export_pretrained``. Storage (fsspec, botocore) is imported
+by the checkpoint verbs only, so the worker runs where those are not installed
+(``benchmarks/gpu_check.py``).
 """
 
 from __future__ import annotations
 
-import functools
 import io
-import json
 import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
-from transformers import LogitsProcessor
 
-from flowrl.agent_loop.types import SampleResult
 from flowrl.backends.engines.algorithms import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
@@ -32,368 +26,30 @@ from flowrl.backends.engines.algorithms import (
     off_policy_correction,
     token_logprobs,
 )
-from flowrl.backends.models.chat import HFChatFormat
-from flowrl.backends.models.lora_export import LORA_EXPORT
+from flowrl.backends.engines.hf_model import (
+    Loaded,
+    distinct_rows,
+    load_policy_model,
+    load_trainable_state,
+    lora_config,
+    prefilled_cache,
+    trainable_state,
+    unsampled_token_ids,
+    without_tokens,
+    worker_device,
+    write_lora_export,
+)
 from flowrl.backends.models.model_folder import (
     copy_model_files,
     load_causal_lm,
-    load_tokenizer,
     pad_id,
 )
-from flowrl.backends.models.model_uri import resolve_model_uri
 from flowrl.backends.models.precision import compute_dtype, forward_autocast
 from flowrl.backends.models.vlm import ImageInputs, vision_inputs
 from flowrl.backends.types import Datum, WorkerSpec
 
 if TYPE_CHECKING:
-    from peft import LoraConfig
-
-
-def write_lora_export(
-    folder: str, state: dict[str, torch.Tensor], base_uri: str, lora: dict[str, Any]
-) -> None:
-    """The adapter ``state`` of a policy trained on ``base_uri`` into ``folder``'s
-    ``LORA_EXPORT`` subfolder (``models.lora_export`` reads its settings back)."""
-    out = Path(folder) / LORA_EXPORT
-    out.mkdir()
-    (out / "adapter.safetensors").write_bytes(save_safetensors(state))
-    (out / "lora.json").write_text(json.dumps({"base_model": base_uri, "lora": lora}))
-
-
-def _device(spec: WorkerSpec) -> torch.device:
-    if spec.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(spec.device)
-
-
-def load_policy_model(
-    spec: WorkerSpec, dtype: torch.dtype = torch.float32
-) -> tuple[torch.nn.Module, Any, str]:
-    """Load the model in ``dtype`` (with a LoRA adapter when enabled), its tokenizer and its
-    local path."""
-    torch.set_num_threads(spec.torch_threads)
-    path = resolve_model_uri(spec.model_uri, spec.cache_dir)
-    model = load_causal_lm(path, dtype)
-    if spec.lora.enabled:
-        from peft import get_peft_model  # imported by LoRA workers only (~0.5 s at start)
-
-        # Same seed in sampler and trainer: both start from identical adapter weights.
-        torch.manual_seed(spec.seed)
-        model = get_peft_model(model, lora_config(spec))
-    return model.to(_device(spec)), load_tokenizer(path), path
-
-
-def lora_config(spec: WorkerSpec) -> LoraConfig:
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=spec.lora.r,
-        lora_alpha=spec.lora.alpha,
-        lora_dropout=spec.lora.dropout,
-        target_modules=list(spec.lora.target_modules),
-        task_type="CAUSAL_LM",
-    )
-
-
-def _trainable_state(
-    model: torch.nn.Module, lora: bool, adapter: str = "default"
-) -> dict[str, torch.Tensor]:
-    """Detached CPU copies (tied weights become separate tensors, as safetensors requires);
-    with LoRA the adapter named ``adapter``, its keys without the name."""
-    if lora:
-        from peft import get_peft_model_state_dict
-
-        state = get_peft_model_state_dict(model, adapter_name=adapter)
-    else:
-        state = model.state_dict()
-    return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-
-
-def _load_trainable_state(
-    model: torch.nn.Module, state: dict[str, torch.Tensor], lora: bool, adapter: str = "default"
-) -> None:
-    if lora:
-        from peft import set_peft_model_state_dict
-
-        set_peft_model_state_dict(model, state, adapter_name=adapter)
-    else:
-        model.load_state_dict(state, strict=False)
-
-
-Loaded = tuple[torch.nn.Module, Any, str]
-"""A loaded policy model, its tokenizer and its local path (``load_policy_model``)."""
-
-
-class HFSampler:
-    """Batched sampling with HF ``generate``, returning token ids and float32 log-probs;
-    weights and activations in ``spec.dtype`` (``backends.models.precision``)."""
-
-    restartable = True
-    """Built again in its process from a new spec, it is a new sampler (``actors``)."""
-
-    def __init__(self, spec: WorkerSpec, loaded: Loaded | None = None, adapter: str = "default"):
-        """``loaded``: a model loaded already (a shared worker's base, ``adapter`` being this
-        sampler's LoRA adapter on it, active whenever a verb runs); None loads the spec's."""
-        self.spec = spec
-        self.adapter = adapter
-        self.device = _device(spec)
-        self.dtype = compute_dtype(spec.dtype, self.device)
-        self.model, self.tokenizer, self.model_path = loaded or load_policy_model(spec, self.dtype)
-        self.model.eval()
-        self.image_inputs = ImageInputs.for_model(self.model_path)  # None: text only
-        self.stop_token_ids = HFChatFormat.from_folder(self.model_path).stop_token_ids
-        self.weights_version = 0
-
-    @torch.no_grad()
-    def sample(
-        self,
-        prompts: list[list[int]],
-        max_new_tokens: int,
-        temperature: float,
-        seed: int | None = None,
-        images: list[list[bytes]] | None = None,
-    ) -> list[SampleResult]:
-        """Sample one completion per prompt (temperature 0 = greedy). Prompts: B lists of ids;
-        ``images[i]``: the encoded images whose tokens prompt ``i`` holds, in order."""
-        if not prompts:
-            return []
-        vision = vision_inputs(self.image_inputs, images, self.device)
-        unsampled = _unsampled_token_ids(self.image_inputs)
-        if seed is not None:
-            torch.manual_seed(seed)
-        pad = pad_id(self.tokenizer)
-        ids, attention = _left_padded(prompts, pad, self.device)
-        width = ids.shape[1]
-        greedy = temperature <= 0
-        shared = {} if vision else _shared_prompt_cache(self.model, ids, attention)
-        out = self.model.generate(
-            input_ids=ids,
-            attention_mask=attention,
-            **vision,
-            **shared,
-            suppress_tokens=unsampled or None,
-            max_new_tokens=max_new_tokens,
-            do_sample=not greedy,
-            temperature=None if greedy else temperature,
-            top_k=None,
-            top_p=None,
-            eos_token_id=self.stop_token_ids,
-            pad_token_id=pad,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        new_B_T = out.sequences[:, width:].cpu()
-        logits_B_T_V = _without(torch.stack(out.logits, dim=1).float().cpu(), unsampled)
-        scale = 1.0 if greedy else temperature
-        logprobs_B_T = token_logprobs(logits_B_T_V / scale, new_B_T)
-        return [self._cut(new_B_T[i], logprobs_B_T[i]) for i in range(len(prompts))]
-
-    @torch.no_grad()
-    def sample_rows(
-        self,
-        prompts: list[list[int]],
-        max_new_tokens: int,
-        temperatures: list[float],
-        seeds: list[int],
-        adapters: list[str],
-    ) -> list[SampleResult]:
-        """Sample one completion per prompt where each row has its own temperature, seed and
-        LoRA adapter (``_RowAdapters``): rows of several tenants of a shared worker in one
-        forward pass. A row's randomness is its own (Gumbel-max noise from a generator
-        seeded by its seed), so which other rows share the batch changes none of its draws;
-        text only, LoRA on linear layers."""
-        if not prompts:
-            return []
-        pad = pad_id(self.tokenizer)
-        ids, attention = _left_padded(prompts, pad, self.device)
-        width = ids.shape[1]
-        with _RowAdapters(self.model) as route:
-            shared = _shared_prompt_cache(self.model, ids, attention, adapters, route)
-            route.route(adapters)
-            out = self.model.generate(
-                input_ids=ids,
-                attention_mask=attention,
-                **shared,
-                max_new_tokens=max_new_tokens,
-                do_sample=False,  # the rows' own noise makes the argmax a sample
-                logits_processor=[_RowNoise(temperatures, seeds)],
-                eos_token_id=self.stop_token_ids,
-                pad_token_id=pad,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-        new_B_T = out.sequences[:, width:].cpu()
-        logits_B_T_V = torch.stack(out.logits, dim=1).float().cpu()
-        scale_B = torch.tensor([t if t > 0 else 1.0 for t in temperatures])
-        logprobs_B_T = token_logprobs(logits_B_T_V / scale_B[:, None, None], new_B_T)
-        return [self._cut(new_B_T[i], logprobs_B_T[i]) for i in range(len(prompts))]
-
-    def _cut(self, tokens_T: torch.Tensor, logprobs_T: torch.Tensor) -> SampleResult:
-        tokens = tokens_T.tolist()
-        for t, tok in enumerate(tokens):
-            if tok in self.stop_token_ids:
-                return SampleResult(tokens[: t + 1], logprobs_T[: t + 1].tolist(), "stop")
-        return SampleResult(tokens, logprobs_T.tolist(), "length")
-
-    def set_weights(self, weights: tuple[dict[str, torch.Tensor], int]) -> int:
-        """Weight sync: load ``TorchTrainer.get_weights()`` (adapter only for LoRA)."""
-        state, version = weights
-        state = {k: v.to(self.device) for k, v in state.items()}
-        _load_trainable_state(self.model, state, self.spec.lora.enabled, self.adapter)
-        self.weights_version = version
-        return version
-
-    def get_weights_version(self) -> int:
-        return self.weights_version
-
-    def load_lora_export(self, model_uri: str) -> int:
-        """The adapter of the exported LoRA policy at ``model_uri`` (its ``LORA_EXPORT``) as
-        this sampler's weights (version 0): a LoRA version sampled on its base."""
-        folder = Path(resolve_model_uri(model_uri, self.spec.cache_dir)) / LORA_EXPORT
-        state = load_safetensors((folder / "adapter.safetensors").read_bytes())
-        return self.set_weights((state, 0))
-
-
-def _left_padded(
-    prompts: list[list[int]], pad: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(ids, attention mask) of ``prompts`` left-padded to the longest, on ``device``."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
-    attention = torch.zeros((len(prompts), width), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        attention[i, width - len(p) :] = 1
-    return ids.to(device), attention.to(device)
-
-
-class _RowNoise(LogitsProcessor):
-    """A logits processor sampling each row with its own temperature and generator: it adds
-    Gumbel noise to the row's scores over its temperature (Gumbel-max: the argmax is then a
-    draw from the softmax), drawn from a generator seeded with the row's seed, a few steps'
-    noise at a time; temperature 0 leaves the row greedy."""
-
-    NOISE_FLOATS = 1 << 22  # at most this many noise values drawn ahead
-
-    def __init__(self, temperatures: list[float], seeds: list[int]):
-        self.sampled = [i for i, t in enumerate(temperatures) if t > 0]
-        self.scale_S = torch.tensor([temperatures[i] for i in self.sampled])
-        self.generators = [torch.Generator().manual_seed(seeds[i]) for i in self.sampled]
-        self.noise_S_K_V: torch.Tensor | None = None
-        self.step = 0
-
-    def __call__(self, input_ids: torch.Tensor, scores_B_V: torch.Tensor) -> torch.Tensor:
-        if not self.sampled:
-            return scores_B_V
-        if self.noise_S_K_V is None or self.step == self.noise_S_K_V.shape[1]:
-            vocab = scores_B_V.shape[1]
-            k = max(1, min(16, self.NOISE_FLOATS // (len(self.sampled) * vocab)))
-            u = [torch.rand(k, vocab, generator=g) for g in self.generators]
-            self.noise_S_K_V = -torch.log(-torch.log(torch.stack(u).clamp_(1e-20, 1.0)))
-            self.step = 0
-        gumbel_S_V = self.noise_S_K_V[:, self.step].to(scores_B_V.device)
-        self.step += 1
-        out = scores_B_V.float().clone()
-        rows = torch.tensor(self.sampled, device=out.device)
-        out[rows] = out[rows] / self.scale_S.to(out.device)[:, None] + gumbel_S_V
-        return out
-
-
-class _RowAdapters:
-    """While entered, each LoRA linear layer of ``model`` adds to each run of consecutive rows
-    the adapter ``route`` names for them (set before each forward pass): a batched LoRA path for
-    rows of several adapters that slices contiguous runs instead of gathering rows per layer
-    (PEFT's ``adapter_names`` path does that, at a cost per layer that dominates small models).
-    Only LoRA on linear layers, without DoRA."""
-
-    def __init__(self, model: torch.nn.Module):
-        from peft.tuners.lora import Linear as LoraLinear
-        from peft.tuners.lora import LoraLayer
-
-        self.layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
-        others = [m for m in model.modules() if isinstance(m, LoraLayer) and m not in self.layers]
-        if others or any(any(m.use_dora.values()) for m in self.layers):
-            raise NotImplementedError("rows of several adapters: LoRA on linear layers only")
-        self.runs: list[tuple[str, int, int]] = []
-
-    def route(self, names: list[str]) -> None:
-        """The next forward passes' rows: row i with the adapter ``names[i]``."""
-        self.runs = []
-        for i, name in enumerate(names):
-            if self.runs and self.runs[-1][0] == name:
-                self.runs[-1] = (name, self.runs[-1][1], i + 1)
-            else:
-                self.runs.append((name, i, i + 1))
-
-    def __enter__(self) -> _RowAdapters:
-        for layer in self.layers:
-            layer.forward = functools.partial(self._forward, layer)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for layer in self.layers:
-            del layer.forward  # the class's own again
-
-    def _forward(self, layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        result = layer.base_layer(x, *args, **kwargs)
-        for name, lo, hi in self.runs:
-            if name in layer.lora_A:
-                a, b = layer.lora_A[name], layer.lora_B[name]
-                rows = layer.lora_dropout[name](x[lo:hi].to(a.weight.dtype))
-                result[lo:hi] += (b(a(rows)) * layer.scaling[name]).to(result.dtype)
-        return result
-
-
-def _shared_prompt_cache(
-    model: torch.nn.Module,
-    ids_B_T: torch.Tensor,
-    attention_B_T: torch.Tensor,
-    adapters: list[str] | None = None,
-    route: _RowAdapters | None = None,
-) -> dict[str, Any]:
-    """``generate``'s ``past_key_values`` when rows repeat a prompt (a GRPO group's samples
-    share theirs): every distinct prompt but its last token is prefilled once, and the KV
-    cache is copied to the rows that repeat it, so ``generate`` only runs the last prompt token
-    and the new ones. Empty (prefill as usual) when every prompt is distinct. ``adapters``: each
-    row's LoRA adapter, routed by ``route``: rows share a prefill only with their adapter's."""
-    keys = [tuple(row) for row in ids_B_T.tolist()]
-    if adapters is not None:
-        keys = [(adapter, *key) for adapter, key in zip(adapters, keys, strict=True)]
-    first, index = _distinct_rows(keys)
-    if len(first) == len(index) or ids_B_T.shape[1] < 2:
-        return {}
-    if adapters is not None and route is not None:
-        route.route([adapters[i] for i in first])
-    cache = _prefilled_cache(model, ids_B_T[first, :-1], attention_B_T[first, :-1], index)
-    return {"past_key_values": cache}
-
-
-def _distinct_rows(rows: list[tuple[Any, ...]]) -> tuple[list[int], list[int]]:
-    """(the first row of each distinct value, each row's distinct slot)."""
-    slots: dict[tuple[Any, ...], int] = {}
-    first: list[int] = []
-    index: list[int] = []
-    for i, row in enumerate(rows):
-        slot = slots.setdefault(row, len(first))
-        if slot == len(first):
-            first.append(i)
-        index.append(slot)
-    return first, index
-
-
-def _prefilled_cache(
-    model: torch.nn.Module, ids_U_P: torch.Tensor, mask_U_P: torch.Tensor, index: list[int]
-) -> Any:
-    """A ``DynamicCache`` of the left-padded distinct prefixes ``ids_U_P``, copied to the rows
-    (row i holds prefix ``index[i]``); gradients flow back through the copies when enabled."""
-    from transformers import DynamicCache
-
-    positions = mask_U_P.long().cumsum(-1) - 1  # as generate numbers left-padded rows
-    positions.masked_fill_(mask_U_P == 0, 1)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=ids_U_P, attention_mask=mask_U_P, position_ids=positions, past_key_values=cache)
-    cache.reorder_cache(torch.tensor(index, device=ids_U_P.device))
-    return cache
+    pass
 
 
 def _shared_prefix_logprobs(
@@ -414,7 +70,7 @@ def _shared_prefix_logprobs(
     starts = [next((t for t, m in enumerate(d.loss_mask) if m), len(d.tokens)) for d in data]
     if min(starts) < 2:
         return None
-    first, index = _distinct_rows(
+    first, index = distinct_rows(
         [tuple(d.tokens[: p - 1]) for d, p in zip(data, starts, strict=True)]
     )
     if len(first) == len(index):
@@ -439,7 +95,7 @@ def _shared_prefix_logprobs(
     rest_mask = (offsets < (lengths_B - q_B).unsqueeze(-1)).long()
     rest_ids = ids.gather(1, columns_B_S).masked_fill(rest_mask == 0, 0)
     with forward_autocast(dtype, device):
-        cache = _prefilled_cache(model, prefix, prefix_mask, index)
+        cache = prefilled_cache(model, prefix, prefix_mask, index)
         logits = model(
             input_ids=rest_ids,
             attention_mask=torch.cat([prefix_mask[index], rest_mask], dim=1),
@@ -447,7 +103,7 @@ def _shared_prefix_logprobs(
             past_key_values=cache,
         ).logits
     rest_B_S = token_logprobs(
-        _without(logits[:, :-1].float(), unsampled) / temperature, rest_ids[:, 1:]
+        without_tokens(logits[:, :-1].float(), unsampled) / temperature, rest_ids[:, 1:]
     )
     # Back to the batch's layout: column t holds the log-prob of token t+1, i.e. rest column
     # t - q; outside [q, length - 1) nothing the loss reads.
@@ -455,19 +111,6 @@ def _shared_prefix_logprobs(
     at = (t_B_T - q_B.unsqueeze(-1)).clamp(0, rest - 2)
     inside = (t_B_T >= q_B.unsqueeze(-1)) & (t_B_T < (lengths_B - 1).unsqueeze(-1))
     return rest_B_S.gather(1, at).masked_fill(~inside, 0.0)
-
-
-def _unsampled_token_ids(image_inputs: ImageInputs | None) -> list[int]:
-    return image_inputs.unsampled_token_ids if image_inputs is not None else []
-
-
-def _without(logits_B_T_V: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
-    """The logits with ``token_ids`` at -inf (tokens the policy never samples)."""
-    if not token_ids:
-        return logits_B_T_V
-    logits_B_T_V = logits_B_T_V.clone()
-    logits_B_T_V[..., token_ids] = float("-inf")
-    return logits_B_T_V
 
 
 def _next_token_logprobs(
@@ -486,7 +129,9 @@ def _next_token_logprobs(
     with forward_autocast(dtype, b["ids"].device):
         logits = model(input_ids=b["ids"], attention_mask=b["attention"], **vision).logits
     targets = b["ids"][:, 1:]
-    logprobs = token_logprobs(_without(logits[:, :-1].float(), unsampled) / temperature, targets)
+    logprobs = token_logprobs(
+        without_tokens(logits[:, :-1].float(), unsampled) / temperature, targets
+    )
     if not unsampled:
         return logprobs
     injected = torch.isin(targets, torch.tensor(unsampled, device=targets.device))
@@ -538,7 +183,7 @@ class TorchTrainer:
         that require gradients when it is built: the active adapter's)."""
         self.spec = spec
         self.adapter = adapter
-        self.device = _device(spec)
+        self.device = worker_device(spec)
         self.dtype = compute_dtype(spec.dtype, self.device)
         self.model, self.tokenizer, self.model_path = loaded or load_policy_model(spec)
         self.model.train()
@@ -582,7 +227,7 @@ class TorchTrainer:
     def _logprobs(self, b: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
         """Log-probs of each next token; ``temperature`` matches the sampling distribution."""
         return _next_token_logprobs(
-            self.model, b, temperature, _unsampled_token_ids(self.image_inputs), self.dtype
+            self.model, b, temperature, unsampled_token_ids(self.image_inputs), self.dtype
         )
 
     def _loss_logprobs(
@@ -596,7 +241,7 @@ class TorchTrainer:
                 data,
                 b,
                 temperature,
-                _unsampled_token_ids(self.image_inputs),
+                unsampled_token_ids(self.image_inputs),
                 self.dtype,
             )
             if shared is not None:
@@ -681,7 +326,7 @@ class TorchTrainer:
             reference = load_causal_lm(self.model_path).to(self.device).eval()
             self._reference = reference.requires_grad_(False)
         return _next_token_logprobs(
-            self._reference, b, temperature, _unsampled_token_ids(self.image_inputs), self.dtype
+            self._reference, b, temperature, unsampled_token_ids(self.image_inputs), self.dtype
         )
 
     @torch.no_grad()
@@ -752,7 +397,7 @@ class TorchTrainer:
 
     def get_weights(self) -> tuple[dict[str, torch.Tensor], int]:
         """The trainable weights (adapter only for LoRA) and their version, for weight sync."""
-        return _trainable_state(self.model, self.spec.lora.enabled, self.adapter), self.version
+        return trainable_state(self.model, self.spec.lora.enabled, self.adapter), self.version
 
     def get_weights_version(self) -> int:
         """Optimiser steps taken (restored from checkpoints): the version ``get_weights`` gives."""
@@ -767,7 +412,7 @@ class TorchTrainer:
         torch.save({"torch": torch.get_rng_state()}, rng)
         files = {
             "weights.safetensors": save_safetensors(
-                _trainable_state(self.model, self.spec.lora.enabled, self.adapter)
+                trainable_state(self.model, self.spec.lora.enabled, self.adapter)
             ),
             "optimizer.pt": optim.getvalue(),
             "rng.pt": rng.getvalue(),
@@ -784,7 +429,7 @@ class TorchTrainer:
             return None
         step, files, meta = latest
         state = load_safetensors(files["weights.safetensors"])
-        _load_trainable_state(self.model, state, self.spec.lora.enabled, self.adapter)
+        load_trainable_state(self.model, state, self.spec.lora.enabled, self.adapter)
         self.optimizer.load_state_dict(
             torch.load(io.BytesIO(files["optimizer.pt"]), weights_only=True)
         )
@@ -808,7 +453,7 @@ class TorchTrainer:
             if self.spec.lora.enabled:
                 write_lora_export(
                     tmp,
-                    _trainable_state(self.model, True, self.adapter),
+                    trainable_state(self.model, True, self.adapter),
                     self.spec.model_uri,
                     self.spec.lora.model_dump(mode="json"),
                 )
@@ -821,5 +466,5 @@ class TorchTrainer:
 
         with torch.random.fork_rng(devices=[]):  # the throwaway adapter init draws randoms
             copy = get_peft_model(load_causal_lm(self.model_path), lora_config(self.spec))
-        set_peft_model_state_dict(copy, _trainable_state(self.model, True, self.adapter))
+        set_peft_model_state_dict(copy, trainable_state(self.model, True, self.adapter))
         return copy.merge_and_unload()
