@@ -37,9 +37,10 @@ TENANTS, PROMPTS, GROUP, TOKENS, ROUNDS = 4, 8, 4, 24, 6
 
 
 def measure(size: str, folder: str) -> dict[str, float]:
-    from flowrl.backends.engines.shared_worker import SharedWorker, _Sampling
+    from flowrl.backends.engines.shared_batches import SamplingCall
+    from flowrl.backends.engines.shared_worker import SharedWorker
     from flowrl.backends.models.tiny_model import TinyModelSpec, build_tiny_model
-    from flowrl.backends.types import Datum, LoraSettings, WorkerSpec
+    from flowrl.backends.types import Datum, JobTenancy, LoraSettings, WorkerSpec
 
     path = build_tiny_model(TinyModelSpec(**SIZES[size]), f"{folder}/{size}")
     spec = WorkerSpec(
@@ -50,7 +51,7 @@ def measure(size: str, folder: str) -> dict[str, float]:
     data = [Datum(tokens=list(range(5, 17)), loss_mask=[0] * 4 + [1] * 8, advantage=1.0)]
     for i, name in enumerate(names):
         own = spec.model_copy(update={"seed": i + 1})
-        worker.join(name, {"sampler": own, "trainer": own})
+        worker.join(name, JobTenancy({"sampler": own, "trainer": own}))
         for _ in range(i):  # adapters that differ
             worker.call_as(name, "trainer", "forward_backward", data, "cross_entropy")
             worker.call_as(name, "trainer", "optim_step")
@@ -68,8 +69,8 @@ def measure(size: str, folder: str) -> dict[str, float]:
         ]
 
     def together(temperature: float) -> list:
-        calls = [_Sampling(n, rows, TOKENS, temperature, 100 + i) for i, n in enumerate(names)]
-        return worker._sample_rows(calls)
+        calls = [SamplingCall(n, rows, TOKENS, temperature, 100 + i) for i, n in enumerate(names)]
+        return worker.batches._sample_rows(calls)
 
     def one() -> list:
         return worker.call_as(names[0], "sampler", "sample", rows * TENANTS, TOKENS, 1.0, 7)

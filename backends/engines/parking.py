@@ -18,6 +18,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
+import time
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -71,3 +74,52 @@ def unpark(
                 # interned, as the optimiser's own keys are: a saved state pickles the same
                 state[sys.intern(state_key)] = value.to(on, copy=True)
     os.unlink(path)
+
+
+class Residency:
+    """A shared worker's tenants in memory (``SharedWorker``'s ``resident`` limit): at most
+    ``resident`` keep their tensors there (0: all); a call of a parked tenant first parks the
+    least recently used resident one to a file in the worker's model cache, then restores its
+    own exactly (``park`` / ``unpark``)."""
+
+    def __init__(self, worker: Any, resident: int):
+        self.worker = worker  # its ``tenants``, ``model`` (the PeftModel), ``device``, ``spec``
+        self.resident = resident
+        self.parks = 0  # tenants parked on disk so far (each restored on its next call)
+        self._dir: str | None = None  # made when the first tenant is parked
+
+    def unpark(self, t: Any, keep: set[str] = frozenset()) -> None:
+        """``t``'s tensors back in memory, exactly as parked, once others are parked to make
+        room (``make_room``)."""
+        t.last_call = time.monotonic()
+        if not t.parked:
+            return
+        self.make_room(t, keep)
+        unpark(self._tensors(t), t.workers["trainer"].optimizer, t.parked, self.worker.device)
+        t.parked = None
+
+    def make_room(self, t: Any | None, keep: set[str] = frozenset()) -> None:
+        """Park the least recently used tenants in memory (not ``t``, nor those in ``keep``)
+        until ``t`` fits among ``resident`` tenants in memory."""
+        if not self.resident:
+            return
+        others = [u for u in self.worker.tenants.values() if u is not t and not u.parked]
+        movable = sorted((u for u in others if u.name not in keep), key=lambda u: u.last_call)
+        for u in movable[: max(0, len(others) + 1 - self.resident)]:
+            self._park(u)
+
+    def _park(self, t: Any) -> None:
+        """``t``'s adapters, gradients and optimiser state to a file; its tensors emptied."""
+        if self._dir is None:  # in the worker's model cache: room for the adapters
+            os.makedirs(self.worker.spec.cache_dir, exist_ok=True)
+            self._dir = tempfile.mkdtemp(prefix="parked-", dir=self.worker.spec.cache_dir)
+        name = next(iter(t.adapters.values())).replace(".", "_").replace(":", "_")
+        t.parked = os.path.join(self._dir, f"{name}.st")
+        park(self._tensors(t), t.workers["trainer"].optimizer, t.parked)
+        self.parks += 1
+
+    def _tensors(self, t: Any) -> dict[str, torch.nn.Parameter]:
+        """``t``'s adapter parameters by name (its two adapters: sampler's and trainer's)."""
+        marks = tuple(f".{adapter}." for adapter in t.adapters.values())
+        named = self.worker.model.named_parameters()
+        return {n: p for n, p in named if any(m in n for m in marks)}

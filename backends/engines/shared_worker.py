@@ -9,7 +9,8 @@ state in torch's global generator, so what a tenant computes does not depend on 
 its sampled tokens and log-probs on fixed prompts are bit-identical whether or not another
 tenant trains in between (fp32, CPU). A weight sync is a copy inside the process.
 
-Sampling calls of several tenants that arrive while the worker is busy are answered together:
+Sampling calls of several tenants that arrive while the worker is busy are answered together
+(``shared_batches.Batches``):
 their rows go through one forward pass, each tenant's rows through its adapter in every LoRA
 layer, each row with its own temperature and random stream (``HFSampler.sample_rows``), so a
 tenant's draws do not depend on whose rows share the batch. A call that arrives alone runs as a
@@ -20,7 +21,8 @@ The worker's base and adapters are a ``engines.tinker.model.SharedBase``: Tinker
 (``ModelTenancy``; ``backends.policy.placement.SharedTenant``) are adapters on the same base, next
 to the jobs', with the verbs and state of the Tinker API's own models.
 
-With ``resident`` set, at most that many tenants keep their tensors in memory: a call of a
+With ``resident`` set, at most that many tenants keep their tensors in memory
+(``parking.Residency``): a call of a
 parked tenant first parks the least recently used resident one — its adapters, gradients and
 optimiser state written to the worker's disk (safetensors), its tensors emptied — and restores
 its own, exactly: its next step is bit-identical to one never parked (rl-train tenants; Tinker
@@ -37,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,10 +48,10 @@ from typing import Any
 import ray
 import torch
 
-from flowrl.agent_loop.types import SampleResult
-from flowrl.backends.engines import parking
 from flowrl.backends.engines.hf_model import lora_config, worker_device
 from flowrl.backends.engines.hf_sampler import HFSampler
+from flowrl.backends.engines.parking import Residency
+from flowrl.backends.engines.shared_batches import Batches, SamplingCall
 from flowrl.backends.engines.tinker.model import SharedBase, TinkerModel
 from flowrl.backends.engines.torch_trainer import TorchTrainer
 from flowrl.backends.models.model_folder import load_causal_lm, load_tokenizer
@@ -81,20 +82,6 @@ class _ModelTenant:
     model: TinkerModel
     last_call: float = field(default_factory=time.monotonic)
     calls: int = 0
-
-
-@dataclass
-class _Sampling:
-    """One tenant's sampling call waiting to run, alone or with others' (``call_as``)."""
-
-    tenant: str
-    prompts: list[list[int]]
-    max_new_tokens: int
-    temperature: float
-    seed: int | None
-    result: list[SampleResult] | None = None
-    error: BaseException | None = None
-    done: bool = False
 
 
 class SharedWorker:
@@ -140,13 +127,9 @@ class SharedWorker:
         self._lock = threading.Lock()
         self._runner = ThreadPoolExecutor(1, thread_name_prefix="shared-work")
         self.mix_batches = mix_batches
-        self._waiting: list[_Sampling] = []  # sampling calls not yet run (under _queue)
-        self._queue = threading.Lock()
-        self.together: list[int] = []  # the number of calls each batch run together answered
+        self.batches = Batches(self)  # tenants' sampling calls answered together
         self.busy_s = 0.0  # seconds the worker has spent running calls
-        self.resident = resident
-        self.parks = 0  # tenants parked on disk so far (each restored on its next call)
-        self._park_dir: str | None = None  # made when the first tenant is parked
+        self.residency = Residency(self, resident)  # tenants in memory, the others parked
         threading.Thread(target=self._watch, name="shared-idle", daemon=True).start()
 
     # ------------------------------------------------------------------------ tenants
@@ -158,17 +141,17 @@ class SharedWorker:
         size and context length."""
         began = time.monotonic()
         if isinstance(tenancy, ModelTenancy):
-            info = self._work(self._join_model, tenant, tenancy, began)
+            info = self.work(self._join_model, tenant, tenancy, began)
         else:
-            info = {"join_s": self._work(self._join, tenant, tenancy.specs, began)}
+            info = {"join_s": self.work(self._join, tenant, tenancy.specs, began)}
         return info
 
     def _join(self, tenant: str, specs: dict[str, WorkerSpec], began: float) -> float:
         for spec in specs.values():
             self._check(spec)
         self._drop(tenant, "left")
-        self._make_room(None)
-        adapters = {role: f"{_safe(tenant)}-{role}" for role in specs}
+        self.residency.make_room(None)
+        adapters = {role: f"{safe_name(tenant)}-{role}" for role in specs}
         with torch.random.fork_rng(devices=[]):  # the tenants' streams stay as they are
             for role, spec in specs.items():
                 # Both roles start from the same adapter weights (seeded).
@@ -188,7 +171,7 @@ class SharedWorker:
 
     def leave(self, tenant: str) -> bool:
         """Remove ``tenant``, a job's or a model's (idempotent); True if it was here."""
-        return self._work(self._drop, tenant, "left")
+        return self.work(self._drop, tenant, "left")
 
     def call_as(self, tenant: str, role: str, verb: str, *args: Any, **kwargs: Any) -> Any:
         """``verb`` of ``tenant``'s ``role`` (a job's ``sampler`` or ``trainer``; a Tinker
@@ -199,13 +182,13 @@ class SharedWorker:
             return self._call_model(tenant, model, role, verb, *args, **kwargs)
         if self.mix_batches and role == "sampler" and verb == "sample" and not kwargs:
             if len(args) in (3, 4):  # prompts, max_new_tokens, temperature[, seed]
-                return self._sample(_Sampling(tenant, *args))
-        return self._work(self._call, tenant, role, verb, *args, **kwargs)
+                return self.batches.sample(SamplingCall(tenant, *args))
+        return self.work(self.call_alone, tenant, role, verb, *args, **kwargs)
 
-    def _call(self, tenant: str, role: str, verb: str, *args: Any, **kwargs: Any) -> Any:
+    def call_alone(self, tenant: str, role: str, verb: str, *args: Any, **kwargs: Any) -> Any:
         """``call_as`` under the worker's lock: one tenant's verb, alone."""
         t = self._tenant(tenant)
-        self._unpark(t)
+        self.residency.unpark(t)
         self.model.set_adapter(t.adapters[role])
         self.model.train(role == "trainer")
         torch.set_num_threads(t.specs[role].torch_threads)
@@ -222,85 +205,6 @@ class SharedWorker:
             t.rng = torch.get_rng_state()
             t.last_call = time.monotonic()
             t.calls += 1
-
-    def _sample(self, call: _Sampling) -> list[SampleResult]:
-        """Queue ``call``; whoever holds the worker next runs every queued call at once."""
-        with self._queue:
-            self._waiting.append(call)
-
-        def run_waiting() -> None:
-            if not call.done:  # else answered together with an earlier call
-                with self._queue:
-                    batch, self._waiting = self._waiting, []
-                self._run_together(batch)
-
-        self._work(run_waiting)
-        if call.error is not None:
-            raise call.error
-        assert call.result is not None
-        return call.result
-
-    def _run_together(self, batch: list[_Sampling]) -> None:
-        mixable = [c for c in batch if c.seed is not None and c.tenant in self.tenants]
-        if self.resident:  # tenants of one batch are in memory together
-            fits = {c.tenant for c in mixable[: self.resident]}
-            mixable = [c for c in mixable if c.tenant in fits]
-        # A call that finds no company samples the same way (its rows' own seeds): its draws
-        # never depend on whether other tenants' calls happened to arrive with it.
-        if mixable:
-            try:
-                results = self._sample_rows(mixable)
-            except Exception:  # noqa: BLE001 - each call again alone: a bad one fails alone
-                pass
-            else:
-                for call, result in zip(mixable, results, strict=True):
-                    call.result, call.done = result, True
-                if len(mixable) > 1:
-                    self.together.append(len(mixable))
-        for call in batch:
-            if not call.done:
-                try:
-                    call.result = self._call(
-                        call.tenant,
-                        "sampler",
-                        "sample",
-                        call.prompts,
-                        call.max_new_tokens,
-                        call.temperature,
-                        call.seed,
-                    )
-                except Exception as exc:  # noqa: BLE001 - raised in the caller's thread
-                    call.error = exc
-                call.done = True
-
-    def _sample_rows(self, calls: list[_Sampling]) -> list[list[SampleResult]]:
-        """The calls' rows in one batch, each with its tenant's sampler adapter and a seed of
-        its own (its call's seed and its place in the call); each call's results."""
-        for call in calls:
-            self._unpark(self.tenants[call.tenant], keep={c.tenant for c in calls})
-        prompts, temperatures, seeds, adapters = [], [], [], []
-        for call in calls:
-            adapter = self.tenants[call.tenant].adapters["sampler"]
-            for i, prompt in enumerate(call.prompts):
-                prompts.append(prompt)
-                temperatures.append(call.temperature)
-                seeds.append((call.seed * 1_000_003 + i) % 2**63)
-                adapters.append(adapter)
-        leader = self.tenants[calls[0].tenant].workers["sampler"]
-        self.model.train(False)
-        torch.set_num_threads(leader.spec.torch_threads)
-        longest = max(call.max_new_tokens for call in calls)
-        with forward_autocast(leader.dtype, self.device):
-            rows = leader.sample_rows(prompts, longest, temperatures, seeds, adapters)
-        out, start = [], 0
-        now = time.monotonic()
-        for call in calls:
-            mine = rows[start : start + len(call.prompts)]
-            start += len(call.prompts)
-            out.append([_cut(r, call.max_new_tokens) for r in mine])
-            t = self.tenants[call.tenant]
-            t.last_call, t.calls = now, t.calls + 1
-        return out
 
     # ------------------------------------------------------------- Tinker API models
 
@@ -324,7 +228,7 @@ class SharedWorker:
         if role != "model":
             raise ValueError(f"{tenant!r} is a Tinker model: its role is 'model', not {role!r}")
         t.last_call, t.calls = time.monotonic(), t.calls + 1
-        return self._work(self._model_verb, t.model, verb, *args, **kwargs)
+        return self.work(self._model_verb, t.model, verb, *args, **kwargs)
 
     def _model_verb(self, model: TinkerModel, verb: str, *args: Any, **kwargs: Any) -> Any:
         self.model.eval()  # Tinker's verbs: no dropout
@@ -333,11 +237,11 @@ class SharedWorker:
 
     def sync(self, tenant: str) -> int:
         """``tenant``'s trainer weights into its sampler (a copy in this process)."""
-        return self._work(self._sync, tenant)
+        return self.work(self._sync, tenant)
 
     def _sync(self, tenant: str) -> int:
-        return self._call(
-            tenant, "sampler", "set_weights", self._call(tenant, "trainer", "get_weights")
+        return self.call_alone(
+            tenant, "sampler", "set_weights", self.call_alone(tenant, "trainer", "get_weights")
         )
 
     def restart(self, tenant: str, specs: dict[str, WorkerSpec]) -> bool:
@@ -361,10 +265,10 @@ class SharedWorker:
             "base_loads": self.base_loads,
             "events": list(self.events),
             "join_s": dict(self.join_s),
-            "together": list(self.together),
+            "together": list(self.batches.together),
             "busy_s": self.busy_s,
             "parked": sorted(name for name, t in self.tenants.items() if t.parked),
-            "parks": self.parks,
+            "parks": self.residency.parks,
             "started": self.started,
             "base_path": self.path,
         }
@@ -393,45 +297,6 @@ class SharedWorker:
                 f"after {self.stale_after_s:.0f} s without a call)"
             ) from None
 
-    def _unpark(self, t: _Tenant, keep: set[str] = frozenset()) -> None:
-        """``t``'s tensors back in memory, exactly as parked, once others are parked to make
-        room (``_make_room``)."""
-        t.last_call = time.monotonic()
-        if not t.parked:
-            return
-        self._make_room(t, keep)
-        parking.unpark(self._tensors(t), self._optimizer(t), t.parked, self.device)
-        t.parked = None
-
-    def _make_room(self, t: _Tenant | None, keep: set[str] = frozenset()) -> None:
-        """Park the least recently used tenants in memory (not ``t``, nor those in ``keep``)
-        until ``t`` fits among ``resident`` tenants in memory."""
-        if not self.resident:
-            return
-        others = [u for u in self.tenants.values() if u is not t and not u.parked]
-        movable = sorted((u for u in others if u.name not in keep), key=lambda u: u.last_call)
-        for u in movable[: max(0, len(others) + 1 - self.resident)]:
-            self._park(u)
-
-    def _park(self, t: _Tenant) -> None:
-        """``t``'s adapters, gradients and optimiser state to a file (``backends.engines.parking``);
-        its tensors emptied."""
-        if self._park_dir is None:  # in the worker's model cache: room for the adapters
-            os.makedirs(self.spec.cache_dir, exist_ok=True)
-            self._park_dir = tempfile.mkdtemp(prefix="parked-", dir=self.spec.cache_dir)
-        t.parked = os.path.join(self._park_dir, f"{_safe(next(iter(t.adapters.values())))}.st")
-        parking.park(self._tensors(t), self._optimizer(t), t.parked)
-        self.parks += 1
-
-    def _tensors(self, t: _Tenant) -> dict[str, torch.nn.Parameter]:
-        """``t``'s adapter parameters by name (its two adapters: sampler's and trainer's)."""
-        marks = tuple(f".{adapter}." for adapter in t.adapters.values())
-        return {n: p for n, p in self.model.named_parameters() if any(m in n for m in marks)}
-
-    @staticmethod
-    def _optimizer(t: _Tenant) -> torch.optim.Optimizer:
-        return t.workers["trainer"].optimizer
-
     def _drop(self, tenant: str, why: str) -> bool:
         """Remove a tenant of either kind; True if it was here."""
         model = self.models.pop(tenant, None)
@@ -449,7 +314,7 @@ class SharedWorker:
         self._idle_since = time.monotonic()
         return True
 
-    def _work(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    def work(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` under the worker's lock, on its one work thread (the Ray
         actor takes calls on many threads; tensors allocated on one keep the process's memory
         in one allocator arena instead of one per thread); its time adds to ``busy_s``."""
@@ -492,13 +357,6 @@ class SharedWorker:
         ray.actor.exit_actor()
 
 
-def _safe(name: str) -> str:
+def safe_name(name: str) -> str:
     """An adapter name PEFT accepts (no dots: they are module paths)."""
     return name.replace(".", "_").replace(":", "_")
-
-
-def _cut(result: SampleResult, max_new_tokens: int) -> SampleResult:
-    """``result`` as a call with ``max_new_tokens`` would have it (its batch sampled longer)."""
-    if len(result.tokens) <= max_new_tokens:
-        return result
-    return SampleResult(result.tokens[:max_new_tokens], result.logprobs[:max_new_tokens], "length")
