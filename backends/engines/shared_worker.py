@@ -10,23 +10,21 @@ its sampled tokens and log-probs on fixed prompts are bit-identical whether or n
 tenant trains in between (fp32, CPU). A weight sync is a copy inside the process.
 
 Sampling calls of several tenants that arrive while the worker is busy are answered together
-(``shared_batches.Batches``):
-their rows go through one forward pass, each tenant's rows through its adapter in every LoRA
-layer, each row with its own temperature and random stream (``HFSampler.sample_rows``), so a
-tenant's draws do not depend on whose rows share the batch. A call that arrives alone runs as a
-job's own sampler would, bit for bit. If a batch together fails, each call in it runs alone, so
-a bad call fails only its tenant.
+(``shared_batches.Batches``): their rows go through one forward pass, each tenant's rows through
+its adapter in every LoRA layer, each row with its own temperature and random stream
+(``HFSampler.sample_rows``), so a tenant's draws do not depend on whose rows share the batch. A
+call that arrives alone runs as a job's own sampler would, bit for bit. If a batch together
+fails, each call in it runs alone, so a bad call fails only its tenant.
 
 The worker's base and adapters are a ``engines.tinker.model.SharedBase``: Tinker API training models
 (``ModelTenancy``; ``backends.policy.placement.SharedTenant``) are adapters on the same base, next
 to the jobs', with the verbs and state of the Tinker API's own models.
 
 With ``resident`` set, at most that many tenants keep their tensors in memory
-(``parking.Residency``): a call of a
-parked tenant first parks the least recently used resident one — its adapters, gradients and
-optimiser state written to the worker's disk (safetensors), its tensors emptied — and restores
-its own, exactly: its next step is bit-identical to one never parked (rl-train tenants; Tinker
-models stay in memory).
+(``parking.Residency``): a call of a parked tenant first parks the least recently used resident
+one — its adapters, gradients and optimiser state written to the worker's disk (safetensors),
+its tensors emptied — and restores its own, exactly: its next step is bit-identical to one never
+parked (rl-train tenants; Tinker models stay in memory).
 
 The worker is a detached, named Ray actor (``shared-<hash of base, precision, device>``):
 it outlives the job that started it, the next job on the same base joins it without a
