@@ -345,7 +345,7 @@ class TinkerModel:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         with self.base.use(self), self._weights(weights):
-            return self._generate(prompt, num_samples, params, generator, prompt_logprobs)
+            return _generate(self, prompt, num_samples, params, generator, prompt_logprobs)
 
     @contextlib.contextmanager
     def _weights(self, key: str | None) -> Iterator[None]:
@@ -364,49 +364,6 @@ class TinkerModel:
             yield
         finally:
             set_peft_model_state_dict(self.model, live, adapter_name=self.name)
-
-    def _generate(
-        self,
-        prompt: list[int],
-        n: int,
-        params: SampleParams,
-        generator: torch.Generator,
-        want_prompt_logprobs: bool,
-    ) -> SampleOutput:
-        ids = torch.tensor([prompt] * n, dtype=torch.long, device=self.device)
-        out = self.model(input_ids=ids, use_cache=True)
-        past = out.past_key_values
-        prompt_lp = None
-        if want_prompt_logprobs:
-            row = token_logprobs(out.logits[:1, :-1], ids[:1, 1:])[0].tolist()
-            prompt_lp = [math.nan, *row]
-        logits = out.logits[:, -1, :].float()
-        stops = set(params.stop_tokens) | set(self.eos_ids)  # end of sequence always stops
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        logps: list[list[float]] = [[] for _ in range(n)]
-        reasons = ["length"] * n
-        done = [False] * n
-        for _ in range(params.max_tokens):
-            nxt, lp = _pick(logits, params, generator)
-            for i in range(n):
-                if done[i]:
-                    continue
-                tokens[i].append(int(nxt[i]))
-                logps[i].append(float(lp[i]))
-                if int(nxt[i]) in stops or self._hit_stop_string(tokens[i], params.stop_strings):
-                    done[i], reasons[i] = True, "stop"
-            if all(done):
-                break
-            out = self.model(input_ids=nxt.view(n, 1), past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[:, -1, :].float()
-        sequences = [SampledSequence(tokens[i], logps[i], reasons[i]) for i in range(n)]
-        return SampleOutput(sequences, prompt_lp)
-
-    def _hit_stop_string(self, tokens: list[int], stop_strings: tuple[str, ...]) -> bool:
-        if not stop_strings:
-            return False
-        tail = self.tokenizer.decode(tokens[-16:], skip_special_tokens=False)
-        return any(s in tail for s in stop_strings)
 
     # ----------------------------------------------------------------------- state
 
@@ -452,6 +409,55 @@ class TinkerModel:
         else:
             self.optimizer = torch.optim.AdamW(self.params, lr=1e-4, betas=(0.9, 0.95), eps=1e-12)
             self.steps = 0
+
+
+def _generate(
+    tinker: TinkerModel,
+    prompt: list[int],
+    n: int,
+    params: SampleParams,
+    generator: torch.Generator,
+    want_prompt_logprobs: bool,
+) -> SampleOutput:
+    """``n`` samples of ``prompt`` from ``tinker``'s model under its current weights, each
+    stopping at a stop token or string, end of sequence, or ``params.max_tokens``."""
+    ids = torch.tensor([prompt] * n, dtype=torch.long, device=tinker.device)
+    out = tinker.model(input_ids=ids, use_cache=True)
+    past = out.past_key_values
+    prompt_lp = None
+    if want_prompt_logprobs:
+        row = token_logprobs(out.logits[:1, :-1], ids[:1, 1:])[0].tolist()
+        prompt_lp = [math.nan, *row]
+    logits = out.logits[:, -1, :].float()
+    stops = set(params.stop_tokens) | set(tinker.eos_ids)  # end of sequence always stops
+    tokens: list[list[int]] = [[] for _ in range(n)]
+    logps: list[list[float]] = [[] for _ in range(n)]
+    reasons = ["length"] * n
+    done = [False] * n
+    for _ in range(params.max_tokens):
+        nxt, lp = _pick(logits, params, generator)
+        for i in range(n):
+            if done[i]:
+                continue
+            tokens[i].append(int(nxt[i]))
+            logps[i].append(float(lp[i]))
+            if int(nxt[i]) in stops or _hit_stop_string(
+                tinker.tokenizer, tokens[i], params.stop_strings
+            ):
+                done[i], reasons[i] = True, "stop"
+        if all(done):
+            break
+        out = tinker.model(input_ids=nxt.view(n, 1), past_key_values=past, use_cache=True)
+        past, logits = out.past_key_values, out.logits[:, -1, :].float()
+    sequences = [SampledSequence(tokens[i], logps[i], reasons[i]) for i in range(n)]
+    return SampleOutput(sequences, prompt_lp)
+
+
+def _hit_stop_string(tokenizer: Any, tokens: list[int], stop_strings: tuple[str, ...]) -> bool:
+    if not stop_strings:
+        return False
+    tail = tokenizer.decode(tokens[-16:], skip_special_tokens=False)
+    return any(s in tail for s in stop_strings)
 
 
 def adapter_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
