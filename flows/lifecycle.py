@@ -9,7 +9,6 @@ import dataclasses
 import functools
 import inspect
 import os
-import shutil
 import sys
 import threading
 import time
@@ -34,8 +33,8 @@ from flowrl.environments.remote import stop_env_pool
 from flowrl.environments.timeouts import abandoning_calls
 from flowrl.flows.engines import InfrastructureError, connect_ray, infrastructure_fault
 from flowrl.flows.run_page import Column, Phase, RunPage
+from flowrl.flows.run_records import RunRecords
 from flowrl.infra import tracking
-from flowrl.infra.outbox import Outbox
 from flowrl.infra.redact import redact, redact_text
 from flowrl.infra.scheduler import gpu_slots, load_scheduler
 from flowrl.infra.settings import get_settings
@@ -43,10 +42,6 @@ from flowrl.infra.storage import Storage
 from flowrl.tasks.schemas import JobConfig
 from flowrl.tasks.types import JobContext
 
-METRIC_WRITE_STEPS = 10
-"""``JobRun.log`` writes to MLflow once this many steps' metrics are waiting ..."""
-METRIC_WRITE_SECONDS = 2.0
-"""... or once the oldest has waited this long (checked when the next step logs)."""
 OUTBOX_WAIT_ON_FAILURE_S = 30.0
 TRACKING_WAIT_S = 600.0
 """How long a job starting while its tracking server does not answer waits for it (before it
@@ -257,17 +252,11 @@ class JobRun:
         self._published = False
         self._admitted: set[str] = set()  # shared workers whose adapter slot the run holds
         self._exits = contextlib.ExitStack()
-        # Metrics, samples and tags reach MLflow through a durable outbox (infra/outbox.py): on
-        # disk first, then delivered by one background thread, in order, off the step's path,
-        # a few steps per write; an MLflow outage delays them and not the job.
-        self._outbox: Outbox | None = None
-        self._unsent: list[tuple[dict[str, float], int]] = []
-        self._unsent_since = 0.0
-        self._logged_through: dict[str, int] = {}  # a continued run's last step of each metric
         self.page = RunPage(config.name, f"{settings.namespace or ''}-{config.name}", columns)
         """What the run shows in the Prefect UI: its log lines, progress and artifacts; its
         ``columns`` make the job's results table, step lines and curve (none: a table of
         ``finish(table=)`` metrics, no step lines)."""
+        self.records = RunRecords(self.page, self.say)  # to MLflow, through a durable outbox
 
     def __enter__(self) -> JobRun:
         get_settings().apply_to_environment()
@@ -302,10 +291,7 @@ class JobRun:
                 with contextlib.suppress(Exception):
                     tracking.end_run(self.run_id, status="FAILED")
         finally:
-            if self._outbox is not None:
-                self._outbox.close()
-                if self._outbox.pending == 0:
-                    shutil.rmtree(self._outbox.folder, ignore_errors=True)
+            self.records.close()
             self._exits.__exit__(exc_type, exc, tb)
 
     def _start_tracking(self) -> str:
@@ -317,22 +303,8 @@ class JobRun:
         run_id = tracking.start_run(
             self.config.experiment, self.config.name, params, previous, self.ctx.namespace
         )
-        if run_id == previous:
-            # Steps after the last checkpoint run again; the points a killed run already sent
-            # for them stay and are not logged twice.
-            self._logged_through = tracking.logged_through(run_id)
-            for row in tracking.metric_table(run_id, self.page.metrics, limit=10**9):
-                self.page.record(row, int(row.pop("step")))  # the table and curve of a resumed run
+        self.records.open(run_id, continued=run_id == previous, say=_thread_safe_say())
         self.storage.write_json(job_file, {"mlflow_run_id": run_id, "config": params})
-        # One outbox per MLflow run: a resumed attempt on this machine first delivers what the
-        # one before it could not.
-        folder = get_settings().resolved_home / "outbox" / run_id
-        self._outbox = Outbox(
-            folder,
-            tracking.MlflowDelivery(run_id),
-            say=_thread_safe_say(),
-            probe=tracking.reachable,
-        )
         return run_id
 
     def _stop_workers(self) -> None:
@@ -484,35 +456,16 @@ class JobRun:
         every ``METRIC_WRITE_STEPS`` calls or ``METRIC_WRITE_SECONDS``, whichever comes first,
         and all of them before a checkpoint (``flush_metrics``) and before the run finishes or
         fails. A continued run skips what it logged before at that step (or later)."""
-        if self._logged_through:
-            seen = self._logged_through
-            metrics = {k: v for k, v in metrics.items() if step > seen.get(k, -1)}
-            if not metrics:
-                return
-        self.page.record(metrics, step)
-        if not self._unsent:
-            self._unsent_since = time.monotonic()
-        self._unsent.append((metrics, step))
-        due = time.monotonic() - self._unsent_since >= METRIC_WRITE_SECONDS
-        if due or len(self._unsent) >= METRIC_WRITE_STEPS:
-            self._send_metrics()
-
-    def _send_metrics(self) -> None:
-        if self._unsent and self._outbox is not None:
-            rows, self._unsent = self._unsent, []
-            at = int(time.time() * 1000)
-            self._outbox.put({"kind": "metrics", "rows": rows, "at": at})
+        self.records.log(metrics, step)
 
     def log_json(self, payload: Any, artifact_file: str) -> None:
         """Write ``payload`` as a JSON artifact of the MLflow run, in the background like
         ``log``."""
-        assert self._outbox is not None
-        self._outbox.put({"kind": "json", "payload": payload, "file": artifact_file})
+        self.records.put({"kind": "json", "payload": payload, "file": artifact_file})
 
     def set_tags(self, tags: dict[str, str]) -> None:
         """Tags of the MLflow run, in the background like ``log``."""
-        assert self._outbox is not None
-        self._outbox.put({"kind": "tags", "tags": tags})
+        self.records.put({"kind": "tags", "tags": tags})
 
     def flush_metrics(self, wait: bool = True, timeout: float | None = None) -> None:
         """Put every metric logged so far into the outbox (on disk: a job killed after this
@@ -520,11 +473,7 @@ class JobRun:
         has them all, for as long as the server takes to come back (or ``timeout`` seconds),
         raising an error MLflow answered. Before a checkpoint: no wait; before the job
         registers its version or ends: wait."""
-        self._send_metrics()
-        if wait and self._outbox is not None:
-            if self._outbox.pending:
-                self.say(f"waiting for MLflow to take {self._outbox.pending} records")
-            self._outbox.drain(timeout)
+        self.records.flush(wait, timeout)
 
     def finish(
         self,
