@@ -322,3 +322,24 @@ def test_one_place_decides_placement():
                     if name in kinds:
                         builders.add(str(path.relative_to(REPO)))
     assert builders == {"backends/policy/placement.py"}, sorted(builders)
+
+
+MAX_CLASS_LINES = 300
+MAX_MODULE_LINES = 600
+
+
+def test_no_class_over_300_lines_and_no_module_over_600():
+    """The library's shape (tests, benchmarks and docs scripts aside): a class that outgrows
+    300 lines is split by the state it owns, a module past 600 by what its parts are."""
+    big = []
+    for paths in _modules().values():
+        for path in paths:
+            text = path.read_text()
+            if text.count("\n") > MAX_MODULE_LINES:
+                big.append(f"{path.relative_to(REPO)}: {text.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(text)):
+                if isinstance(node, ast.ClassDef):
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > MAX_CLASS_LINES:
+                        big.append(f"{path.relative_to(REPO)}:{node.name}: {lines} lines")
+    assert not big, big
