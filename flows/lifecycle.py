@@ -303,7 +303,7 @@ class JobRun:
         run_id = tracking.start_run(
             self.config.experiment, self.config.name, params, previous, self.ctx.namespace
         )
-        self.records.open(run_id, continued=run_id == previous, say=_thread_safe_say())
+        self.records.open(run_id, continued=run_id == previous, warn=_thread_safe_say())
         self.storage.write_json(job_file, {"mlflow_run_id": run_id, "config": params})
         return run_id
 

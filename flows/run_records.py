@@ -32,10 +32,11 @@ class RunRecords:
         self._unsent_since = 0.0
         self._logged_through: dict[str, int] = {}  # a continued run's last step of each metric
 
-    def open(self, run_id: str, continued: bool, say: Callable[[str], None]) -> None:
+    def open(self, run_id: str, continued: bool, warn: Callable[[str], None]) -> None:
         """Start sending to MLflow run ``run_id``; a ``continued`` run's points already sent
         are not sent again, and its table and curve start from them. One outbox per MLflow run:
-        a resumed attempt on this machine first delivers what the one before it could not."""
+        a resumed attempt on this machine first delivers what the one before it could not.
+        ``warn``: the outbox's lines (tracking server unreachable, back), from its thread."""
         if continued:
             # Steps after the last checkpoint run again; the points a killed run already sent
             # for them stay and are not logged twice.
@@ -44,7 +45,7 @@ class RunRecords:
                 self.page.record(row, int(row.pop("step")))  # the table and curve of a resumed run
         folder = get_settings().resolved_home / "outbox" / run_id
         self.outbox = Outbox(
-            folder, tracking.MlflowDelivery(run_id), say=say, probe=tracking.reachable
+            folder, tracking.MlflowDelivery(run_id), say=warn, probe=tracking.reachable
         )
 
     def log(self, metrics: dict[str, float], step: int) -> None:

@@ -8,63 +8,10 @@ from __future__ import annotations
 
 import warnings
 
-from flowrl.tasks.schemas import (
-    JOB_KINDS,
-    JOB_NAME_PATTERN,
-    MODEL_NAME_PATTERN,
-    SUCCESS_RULE,
-    AlgorithmSection,
-    EnvDataSection,
-    EnvSection,
-    EvalJobConfig,
-    InferenceJobConfig,
-    JobConfig,
-    ModelSection,
-    NoCredentials,
-    ResourcesSection,
-    RetrainConfig,
-    RLJobConfig,
-    RolloutSection,
-    RowFile,
-    ScheduleSection,
-    SelfPlayJobConfig,
-    SFTDataSection,
-    SFTJobConfig,
-    SFTTrainSection,
-    TinkerSessionConfig,
-    TrainingJobConfig,
-    WarmupSection,
-    load_job,
-)
+from flowrl.tasks import schemas
+from flowrl.tasks.schemas import *  # noqa: F403 - the very same names, re-exported
 
-__all__ = [
-    "JOB_KINDS",
-    "JOB_NAME_PATTERN",
-    "MODEL_NAME_PATTERN",
-    "SUCCESS_RULE",
-    "AlgorithmSection",
-    "EnvDataSection",
-    "EnvSection",
-    "EvalJobConfig",
-    "InferenceJobConfig",
-    "JobConfig",
-    "ModelSection",
-    "NoCredentials",
-    "RLJobConfig",
-    "ResourcesSection",
-    "RetrainConfig",
-    "RolloutSection",
-    "RowFile",
-    "SFTDataSection",
-    "SFTJobConfig",
-    "SFTTrainSection",
-    "ScheduleSection",
-    "SelfPlayJobConfig",
-    "TinkerSessionConfig",
-    "TrainingJobConfig",
-    "WarmupSection",
-    "load_job",
-]
+__all__ = schemas.__all__
 
 warnings.warn(
     "flowrl.tasks.jobs is deprecated: import the job schemas from flowrl.tasks.schemas",
