@@ -216,11 +216,7 @@ async def _apply_zombie_automation(client: Any) -> str:
     for old in existing:
         await client.delete_automation(old.id)
     verb = "updated" if existing else "created"
-    # The run's end, or its return to the queue: a run scheduled again (``AwaitingRetry``, by
-    # the resume automation or the resumer) sends no heartbeat until a worker starts it, and
-    # must not be marked CRASHED meanwhile (it would then wait out another resume).
     ends = ("heartbeat", "Completed", "Failed", "Cancelled", "Crashed")
-    ends += ("AwaitingRetry", "Scheduled", "Paused")
     trigger = EventTrigger(
         after={"prefect.flow-run.heartbeat"},
         expect={f"prefect.flow-run.{end}" for end in ends},
