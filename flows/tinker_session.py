@@ -11,17 +11,21 @@ it: every few seconds it takes the actor's new metrics (loss per ``forward_backw
 learning rate and gradient norm per ``optim_step``) to the run's MLflow run and log. When the
 service unloads the model (the client finished its session, unloaded the model, or stopped
 heartbeating past the TTL), the actor says so, the run ends COMPLETED and its GPU slots are
-given back. A killed run takes its actor with it: the service's next call to that model fails,
-and its saved states stay."""
+given back. A killed run takes its actor with it, and a run whose actor dies (with its node or
+the Ray head) ends CRASHED saying so: the service makes the model again, exactly, from its
+journal, in a new session run (``Training.restore``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
 
 import ray
 from prefect import flow
+from prefect.states import Crashed, State
+from ray.exceptions import RayActorError
 
 from flowrl.backends.engines.tinker.actor import TinkerActor, actor_name
 from flowrl.flows.engines import connect_ray
@@ -60,7 +64,7 @@ class SessionResult:
 
 
 @flow(name="tinker-session", log_prints=False)
-def tinker_session(config: TinkerSessionConfig) -> SessionResult:
+def tinker_session(config: TinkerSessionConfig) -> SessionResult | State:
     """Hold one Tinker training model for its session (see the module docstring)."""
     if config.owner:
         os.environ["FLOWRL_NAMESPACE"] = config.owner  # this run's storage prefix and names
@@ -68,7 +72,7 @@ def tinker_session(config: TinkerSessionConfig) -> SessionResult:
         connect_ray()
         started = time.monotonic()
         actor = TinkerActor.options(
-            name=actor_name(config.model_id),
+            name=actor_name(config.model_id, config.generation),
             namespace=RAY_NAMESPACE,
             num_gpus=config.resources.gpus_per_worker if config.resources.gpus else 0,
             runtime_env={"env_vars": worker_environment()},
@@ -82,7 +86,15 @@ def tinker_session(config: TinkerSessionConfig) -> SessionResult:
             )
             steps, losses = 0, 0
             while True:
-                closed, rows = ray.get(actor.poll.remote(POLL_S))
+                try:
+                    closed, rows = ray.get(actor.poll.remote(POLL_S))
+                except RayActorError as err:  # its process, node or Ray head died
+                    lost = (
+                        f"model {config.model_id}'s actor was lost ({type(err).__name__}): the "
+                        "Tinker service makes it again from its journal, in a new session run"
+                    )
+                    run.say(lost)
+                    return Crashed(message=f"flowrl: {lost}")
                 for row in rows:
                     step = int(row.pop("step"))
                     run.log(row, step)
@@ -95,7 +107,8 @@ def tinker_session(config: TinkerSessionConfig) -> SessionResult:
                 if closed:
                     break
         finally:
-            ray.kill(actor)
+            with contextlib.suppress(Exception):  # a lost actor is gone already
+                ray.kill(actor)
         run.say(f"model {config.model_id} unloaded after {steps} optimizer steps")
         result = SessionResult(config.model_id, steps, losses)
         run.finish(result, table=("train/loss_sum", "train/tokens", "optim/lr"))

@@ -124,7 +124,7 @@ def base_job_template(pool_type: str) -> dict[str, Any]:
     with ``stream_output`` off by default. A flow-run process whose output streams through a
     pipe to its worker dies with the worker (a broken pipe at its next line), a SIGKILLed or
     restarted worker taking its running jobs with it; its lines are in the run's Prefect log
-    either way (``flowrl jobs logs``). A deployment may still set ``stream_output: true``."""
+    either way (``prefect flow-run logs <id>``). A deployment may still turn it on."""
     if pool_type == "kubernetes":
         return json.loads(K8S_TEMPLATE.read_text())
     from prefect.workers.process import ProcessWorker

@@ -456,3 +456,9 @@ class TinkerSessionConfig(JobConfig, title="Tinker session"):
         description="The model's adapter: the client's Tinker LoraConfig (tinker_lora)."
     )
     owner: str | None = Field(default=None, description="The API key's namespace.")
+    generation: int = Field(
+        default=0,
+        ge=0,
+        description="How many times the service has made this model again after its weights "
+        "were lost (its actor's name carries it).",
+    )

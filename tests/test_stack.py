@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from flowrl.infra.client import JobClient
@@ -942,13 +943,66 @@ def _kill_and_wait(local_stack, name: str, pid: int | None = None, timeout_s: fl
     return entry
 
 
+def _deployment(name: str) -> str:
+    """The id of the deployment ``flow/deployment`` in the stack's Prefect database."""
+    from prefect import get_client
+
+    with get_client(sync_client=True) as c:
+        return str(c.read_deployment_by_name(name).id)
+
+
+def _tinker_loop_before_a_fault(stack_env):  # noqa: ANN202 - the loop's second half
+    """A Tinker SDK training loop on the stack (``tinker-session`` deployed), run to its
+    middle; what it returns runs the rest (after a fault) and asserts that its losses are
+    those of the same loop run whole beside it, before the fault (the same seed and data)."""
+    import tinker
+    from tinker import types
+
+    data = [
+        types.Datum(
+            model_input=types.ModelInput.from_ints([5, 6, 7, 8]),
+            loss_fn_inputs={"target_tokens": [6, 7, 8, 9], "weights": [1.0] * 4},
+        )
+    ]
+
+    def steps(tc, n: int) -> list[float]:  # noqa: ANN001
+        losses = []
+        for _ in range(n):
+            fb = tc.forward_backward(data, "cross_entropy")
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+            losses.append(fb.result().metrics["loss:sum"])
+        return losses
+
+    def client() -> tinker.ServiceClient:
+        url = stack_env.env["TINKER_BASE_URL"]
+        return tinker.ServiceClient(base_url=url, api_key="tml-" + "f" * 24)
+
+    whole = client()
+    expected = steps(whole.create_lora_training_client("flowrl/tiny", rank=4, seed=0).result(), 6)
+    whole.close("success").result()  # its model unloaded: its GPU slot back
+    faulted = client()
+    tc = faulted.create_lora_training_client("flowrl/tiny", rank=4, seed=0).result()
+    losses = steps(tc, 4)
+
+    def rest() -> None:
+        losses.extend(steps(tc, 2))
+        faulted.close("success").result()
+        assert np.allclose(losses, expected, rtol=1e-4), (losses, expected)
+
+    return rest
+
+
 def test_components_killed_come_back_with_their_data(stack_env, tmp_path):
     """supervisord restarts each component SIGKILLed, on its address, with its data: S3, MLflow,
     PostgreSQL (under Prefect's and MLflow's servers), the Prefect server; the Ray head after
     its GCS dies, and a job submitted then completes, on its first attempt, through a SIGKILL
-    of the worker that started it. ``stack status`` says so."""
+    of the worker that started it. ``stack status`` says so. The Tinker service, whose Ray
+    cluster went with the head, starts again and makes its model again from its journal: an
+    SDK loop carries on with the losses it would have had."""
     import mlflow
     import s3fs
+
+    from flowrl.infra.scheduler import RESUME_TAG
 
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
     fs.pipe("flowrl/faults/before.txt", b"kept")
@@ -958,6 +1012,8 @@ def test_components_killed_come_back_with_their_data(stack_env, tmp_path):
     run = client.create_run(experiment)
     client.log_metric(run.info.run_id, "m", 1.0, step=1)
 
+    _deploy(stack_env, str(REPO), "flowrl.flows.tinker_session.tinker_session", "tinker-session")
+    _deploy(stack_env, str(REPO), "flowrl.flows.rl.rl_train", "rl-train-resume", [RESUME_TAG])
     assert "SIGKILL" in _kill_and_wait(stack_env, "s3")["last_reason"]
     assert s3fs.S3FileSystem(skip_instance_cache=True).cat("flowrl/faults/before.txt") == b"kept"
     _kill_and_wait(stack_env, "mlflow")
@@ -965,14 +1021,21 @@ def test_components_killed_come_back_with_their_data(stack_env, tmp_path):
     _kill_and_wait(stack_env, "postgres")
     _kill_and_wait(stack_env, "prefect")
     assert client.get_run(run.info.run_id).info.run_id == run.info.run_id  # MLflow's database
-    assert JobClient().list(limit=1)  # Prefect's database, through its restarted server
+    assert _deployment("tinker-session/tinker-session")  # Prefect's database, restarted
     gcs = subprocess.run(
         ["pgrep", "-f", "gcs_server", "-g", str(_status(stack_env)["ray"]["pid"])],
         capture_output=True,
         text=True,
     ).stdout.split()
     assert gcs, "no gcs_server in the Ray head's process group"
+    tinker_loop, tinker_before = (
+        _tinker_loop_before_a_fault(stack_env),
+        _status(stack_env)["tinker"],
+    )
     _kill_and_wait(stack_env, "ray", pid=int(gcs[0]))
+    tinker_loop()  # the Tinker service made its model again; its loop carried on, exactly
+    tinker_after = _status(stack_env)["tinker"]
+    assert tinker_after["restarts"] == tinker_before["restarts"] + 1, tinker_after
     out = _flowrl("stack", "status", cwd=tmp_path, env=_client_env())
     assert out.returncode == 0, out.stdout + out.stderr  # everything RUNNING again
     for name in ("s3", "mlflow", "postgres", "prefect", "ray"):

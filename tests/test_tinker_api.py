@@ -414,32 +414,50 @@ def test_a_session_without_heartbeats_ends_and_keeps_its_states(home: Path, toke
         srv.stop()
 
 
-def test_saved_states_load_after_a_killed_service(home: Path, tokenizer, tmp_path: Path) -> None:
-    """``flowrl serve tinker`` killed with SIGKILL and started again: a client's
-    ``create_training_client_from_state`` of a path saved before works, with the same NLL."""
-    port = free_port()
-    env = {**os.environ, "FLOWRL_TINKER_KEYS": f"alice:{ALICE}"}
-    cmd = [sys.executable, "-m", "flowrl", "serve", "tinker", "--port", str(port)]
-    url = f"http://127.0.0.1:{port}"
+class ServiceProcess:
+    """``flowrl serve tinker`` (local placement) as a process of its own, started again on the
+    same port (and ``--journal``, when given) after a kill."""
 
-    def start() -> subprocess.Popen:
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "log", "ab")
+    def __init__(self, log: Path, journal: Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, "FLOWRL_TINKER_KEYS": f"alice:{ALICE}"}
+        self.cmd = [sys.executable, "-m", "flowrl", "serve", "tinker", "--port", str(self.port)]
+        self.cmd += ["--journal", str(journal)] if journal else []
+        self.log = log
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> ServiceProcess:
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab")
         )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                httpx.get(f"{url}/api/v1/healthz", timeout=1)
-                return proc
+                httpx.get(f"{self.url}/api/v1/healthz", timeout=1)
+                return self
             except httpx.HTTPError:
                 time.sleep(0.2)
-        proc.kill()
-        raise AssertionError((tmp_path / "log").read_text())
+        self.proc.kill()
+        raise AssertionError(self.log.read_text())
 
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None:
+            self.proc.send_signal(sig)
+            self.proc.wait(20)
+            self.proc = None
+
+    def client(self) -> tinker.ServiceClient:
+        return tinker.ServiceClient(base_url=self.url, api_key=ALICE)
+
+
+def test_saved_states_load_after_a_killed_service(home: Path, tokenizer, tmp_path: Path) -> None:
+    """``flowrl serve tinker`` killed with SIGKILL and started again: a client's
+    ``create_training_client_from_state`` of a path saved before works, with the same NLL."""
     data = _datums(tokenizer, LINES)
-    proc = start()
+    service = ServiceProcess(tmp_path / "log").start()
     try:
-        client = tinker.ServiceClient(base_url=url, api_key=ALICE)
+        client = service.client()
         tc = client.create_lora_training_client(BASE, rank=4, seed=7).result()
         for _ in range(3):
             tc.forward_backward(data, "cross_entropy")
@@ -447,17 +465,66 @@ def test_saved_states_load_after_a_killed_service(home: Path, tokenizer, tmp_pat
         path = tc.save_state("before-kill").result().path
         before = tc.forward(data, "cross_entropy").result().metrics["loss:sum"]
     finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
-    proc = start()
+        service.stop(signal.SIGKILL)
+    service.start()
     try:
-        client = tinker.ServiceClient(base_url=url, api_key=ALICE)
-        again = client.create_training_client_from_state_with_optimizer(path).result()
+        again = service.client().create_training_client_from_state_with_optimizer(path).result()
         after = again.forward(data, "cross_entropy").result().metrics["loss:sum"]
         assert abs(before - after) <= 1e-5
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(20)
+        service.stop()
+
+
+def _steps(tc, data, steps: int) -> list[float]:
+    """``steps`` optimizer steps; the loss (a forward pass) after each."""
+    out = []
+    for _ in range(steps):
+        tc.forward_backward(data, "cross_entropy")
+        tc.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+        out.append(tc.forward(data, "cross_entropy").result().metrics["loss:sum"])
+    return out
+
+
+def test_models_lost_with_a_killed_service_are_made_again_exactly(
+    home: Path, tokenizer, tmp_path: Path
+) -> None:
+    """``flowrl serve tinker --journal`` SIGKILLed with two training models in its process:
+    started again, it makes each again from its journaled history (its last saved state,
+    then every call since, gradients not yet stepped included), and the clients' loops carry
+    on, with the losses of a run that was never killed. A model made with no seed (the
+    service draws one and journals it) is made again with the same weights."""
+    data = _datums(tokenizer, LINES)
+    reference = ServiceProcess(tmp_path / "reference.log").start()
+    try:
+        tc = reference.client().create_lora_training_client(BASE, rank=4, seed=7).result()
+        expected = _steps(tc, data, 2)
+        tc.forward_backward(data, "cross_entropy")
+        expected += _steps(tc, data, 2)  # the first step takes the gradients of two batches
+    finally:
+        reference.stop()
+
+    service = ServiceProcess(tmp_path / "log", journal=tmp_path / "journal").start()
+    try:
+        client = service.client()
+        tc = client.create_lora_training_client(BASE, rank=4, seed=7).result()
+        unseeded = client.create_lora_training_client(BASE, rank=4).result()
+        losses = _steps(tc, data, 1)
+        tc.save_state("mid").result()
+        losses += _steps(tc, data, 1)
+        tc.forward_backward(data, "cross_entropy").result()  # gradients not yet stepped
+        _steps(unseeded, data, 2)
+        unseeded_before = unseeded.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        service.stop(signal.SIGKILL)
+        service.start()
+        losses += _steps(tc, data, 2)  # the same clients, through the restart
+        unseeded_after = unseeded.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    finally:
+        service.stop()
+    assert np.allclose(losses, expected, rtol=1e-4), (losses, expected)
+    assert abs(unseeded_after - unseeded_before) <= 1e-4 * abs(unseeded_before)
+    log = (tmp_path / "log").read_text()
+    assert "2 to make again from their history" in log, log[-2000:]
+    assert log.count("made again from its history") == 2, log[-2000:]
 
 
 def test_the_service_starts_only_with_keys_or_on_loopback(tmp_path: Path, capsys) -> None:
@@ -496,4 +563,62 @@ def test_a_base_model_that_does_not_load_fails_its_request_not_the_server(home: 
         assert client.create_lora_training_client(BASE, rank=4, seed=0).result().get_info()
     finally:
         srv.close_clients()
+        srv.stop()
+
+
+class _DeadActor:
+    """The handle of a model whose actor has died: each call raises what Ray raises then;
+    closing it frees what the model held (here: ``handle``'s adapter on the base)."""
+
+    def __init__(self, handle) -> None:  # noqa: ANN001 - a LocalHandle
+        self.handle = handle
+        self.info = handle.info
+
+    def call(self, method: str, *args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+        from ray.exceptions import ActorDiedError
+
+        raise ActorDiedError()
+
+    def close(self) -> None:
+        self.handle.close()
+
+
+def test_a_long_history_is_cut_by_a_saved_state_and_a_lost_model_is_made_again(
+    home: Path, tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a journal, a model whose history passes the bound is saved by the service (one
+    state kept, not the client's checkpoint) and its history starts again there; a model
+    whose actor dies under a call is made again from that state before the call runs, and the
+    loop carries on with the losses it would have had."""
+    from flowrl.backends.services.tinker import training
+    from flowrl.backends.services.tinker.journal import Journal, pending
+
+    monkeypatch.setattr(training, "HISTORY_BYTES", 0)  # every step cuts the history
+    data = _datums(tokenizer, LINES)
+    service = TinkerService(InProcess(), keys={ALICE: "alice"}, journal=Journal(tmp_path))
+    srv = Server(service)
+    try:
+        tc = srv.client().create_lora_training_client(BASE, rank=4, seed=3).result()
+        reference = Server(TinkerService(InProcess(), keys={ALICE: "alice"}))
+        try:
+            ref = reference.client().create_lora_training_client(BASE, rank=4, seed=3).result()
+            expected = _steps(ref, data, 4)
+        finally:
+            reference.stop()
+        losses = _steps(tc, data, 3)
+        model = service.registry.models[tc.get_info().model_id]
+        history = pending(service.journal.read()).history[model.model_id]
+        assert [h["op"] for h in history] == ["loaded"], history  # cut at the last step
+        assert "/restore/" in history[0]["folder"]
+        assert len(service.storage.list(history[0]["folder"].rsplit("/", 1)[0])) == 1  # one kept
+        with service.lock:
+            model.handle = _DeadActor(model.handle)
+        losses += _steps(tc, data, 1)
+        assert np.allclose(losses, expected, rtol=1e-4), (losses, expected)
+        kept = model.restore_folder
+        assert kept is not None and service.storage.exists(kept)
+        service.registry.unload(model, "unloaded by the test")
+        model.worker.shutdown(wait=True)
+        assert not service.storage.exists(kept)  # an unloaded model's state goes with it
+    finally:
         srv.stop()

@@ -79,3 +79,61 @@ def test_it_stays_small_what_clients_took_goes(tmp_path: Path, monkeypatch):
     assert journal.path.stat().st_size < 2 * 4096
     live = pending(journal.read())
     assert list(live.models) == ["a:train:0"] and [c["rid"] for c in live.calls] == ["last"]
+
+
+def _ran(rid: str, mid: str = "a:train:0") -> dict:
+    return {"op": "ran", "model_id": mid, "rid": rid}
+
+
+def test_a_models_history_is_what_its_weights_are_made_of(tmp_path: Path):
+    """Each live model's history: its calls that changed its weights, in the order they ran,
+    from its last saved state on; the gradients of calls not yet stepped outlive a save. It
+    survives a rewrite whole (bodies and all), and a call that ran twice (a replay answered
+    from the actor) is there once."""
+    journal = Journal(tmp_path)
+    fb = {"verb": "forward_backward"}
+    for entry in [
+        _session("a"),
+        _model("a:train:0", "a"),
+        _model("a:train:1", "a"),
+        {**_call("f1", "a:train:0"), **fb, "body": "RjE="},
+        _call("s1", "a:train:0"),
+        _ran("f1"),
+        _ran("s1"),
+        {"op": "done", "rid": "f1"},
+        {"op": "done", "rid": "s1"},
+        {**_call("f2", "a:train:0"), **fb},
+        _ran("f2"),
+        {"op": "saved", "model_id": "a:train:0", "folder": "tinker/a/weights/mid"},
+        {"op": "snap", "model_id": "a:train:0", "key": "snapshot-1"},
+        {**_call("f3", "a:train:0"), **fb},
+        _ran("f3"),
+        _ran("f3"),  # replayed after a restart: the actor answered it from what it kept
+        {"op": "done", "rid": "f2"},
+        {"op": "loaded", "model_id": "a:train:1", "folder": "x", "optimizer": False},
+        {**_call("f4", "a:train:1"), **fb},
+        _ran("f4", "a:train:1"),
+    ]:
+        journal.write(entry)
+    live = pending(journal.read())
+    history = live.history["a:train:0"]
+    assert [(h["op"], h.get("rid") or h.get("key")) for h in history] == [
+        ("loaded", None),  # the saved state (with its optimizer)...
+        ("ran", "f2"),  # ...the gradients it does not hold...
+        ("snap", "snapshot-1"),
+        ("ran", "f3"),  # ...and what came after, once
+    ]
+    assert history[0] == {
+        "op": "loaded",
+        "model_id": "a:train:0",
+        "folder": "tinker/a/weights/mid",
+        "optimizer": True,
+    }
+    assert [h["op"] for h in live.history["a:train:1"]] == ["loaded", "ran"]
+    assert [c["rid"] for c in live.calls] == ["f3", "f4"]  # not taken yet: replayed too
+    journal.rewrite(live.entries())
+    again = pending(journal.read())
+    assert again.history == live.history and history[1]["verb"] == "forward_backward"
+    journal.write({"op": "unload", "model_id": "a:train:1"})
+    assert list(pending(journal.read()).history) == ["a:train:0"]  # an unloaded model's goes
+    journal.close()

@@ -122,12 +122,14 @@ class Placement:
 
     def start_model(self, spec: dict[str, Any]) -> ModelHandle:
         """A new Tinker training model from ``spec`` (model_id, namespace, base_model,
-        base_uri, lora: its ``LoraSettings``, seed: the model's or None)."""
+        base_uri, lora: its ``LoraSettings``, seed: the model's or None, generation: how
+        many times the service has made it again)."""
         raise ValueError(f"a {self.kind} placement cannot hold a Tinker model")
 
-    def find_model(self, model_id: str) -> ModelHandle | None:
-        """The running Tinker model ``model_id`` that this placement started for a service
-        that has since restarted; None where models die with the service (its process)."""
+    def find_model(self, model_id: str, generation: int = 0) -> ModelHandle | None:
+        """The running Tinker model ``model_id`` (of ``generation``) that this placement
+        started for a service that has since restarted; None where models die with the
+        service (its process)."""
         return None
 
     @property
@@ -241,13 +243,13 @@ class OwnWorkers(Placement):
                 "flow layer's runs (flows.tinker_session.DeploymentRuns)"
             )
         connect_service_ray()
-        model_id = spec["model_id"]
+        model_id, generation = spec["model_id"], spec.get("generation", 0)
         run_id = self.runs.submit(self._session_config(spec))
         deadline = time.monotonic() + SESSION_START_TIMEOUT_S
         while time.monotonic() < deadline:
             try:
-                actor = ray.get_actor(actor_name(model_id), namespace=RAY_NAMESPACE)
-                return RayHandle(actor, run_id, ray.get(actor.info.remote()))
+                actor = ray.get_actor(actor_name(model_id, generation), namespace=RAY_NAMESPACE)
+                return RayHandle(actor, run_id, ray.get(actor.info.remote(), timeout=60))
             except ValueError:  # not started yet
                 pass
             state, message = self.runs.state(run_id)
@@ -260,9 +262,9 @@ class OwnWorkers(Placement):
             f"session run {run_id} did not start its model in {SESSION_START_TIMEOUT_S} s"
         )
 
-    def find_model(self, model_id: str) -> ModelHandle | None:
-        """The session run's actor of ``model_id``, if it still runs (it outlives the
-        service's process)."""
+    def find_model(self, model_id: str, generation: int = 0) -> ModelHandle | None:
+        """The session run's actor of ``model_id`` (of ``generation``), if it still runs (it
+        outlives the service's process)."""
         import ray
 
         from flowrl.backends.engines.tinker.actor import actor_name
@@ -270,7 +272,7 @@ class OwnWorkers(Placement):
 
         connect_service_ray()
         try:
-            actor = ray.get_actor(actor_name(model_id), namespace=RAY_NAMESPACE)
+            actor = ray.get_actor(actor_name(model_id, generation), namespace=RAY_NAMESPACE)
             return RayHandle(actor, None, ray.get(actor.info.remote(), timeout=60))
         except (ValueError, ray.exceptions.RayError):
             return None
@@ -288,6 +290,7 @@ class OwnWorkers(Placement):
             # The model's seed; a Tinker client that sets none gets a random one, drawn here.
             "seed": secrets.randbits(62) if spec["seed"] is None else spec["seed"],
             "owner": spec["namespace"],
+            "generation": spec.get("generation", 0),
             "resources": {"gpus": self.gpus},
         }
 

@@ -141,3 +141,42 @@ def connect_service_ray() -> None:
     if address is None:
         raise RuntimeError("sessions need a Ray cluster: set FLOWRL_RAY_ADDRESS (flowrl stack up)")
     ray.init(address=address, namespace=RAY_NAMESPACE, log_to_driver=False)
+
+
+class Answered:
+    """A handle that answers one call with a result already had: the result a restore got
+    for a call that its journal's replay asks for again (``Registry.run_on``)."""
+
+    def __init__(self, result: Any, info: dict[str, Any]):
+        self.result = result
+        self.info = info
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.result
+
+    def close(self) -> None:
+        pass
+
+
+def actor_lost(err: BaseException) -> bool:
+    """``err`` says the model's actor is gone (it died, or its node or Ray head did)."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(err, RayActorError)
+
+
+def ray_cluster_gone() -> str | None:
+    """Why the Ray cluster this process joined is gone, or None (it answers, or this process
+    joined none). A Ray head started again at the same address is a new cluster: this
+    process's calls to it fail (``WrongClusterID``) or wait for ever, and only a new process
+    can join it. (A question to the cluster's key-value store, the cheapest one that fails
+    rather than aborting the process: ``ray.nodes()`` aborts it.)"""
+    if not ray.is_initialized():
+        return None
+    from ray.experimental import internal_kv
+
+    try:
+        internal_kv._internal_kv_exists(b"flowrl-probe")
+    except Exception as err:  # noqa: BLE001 - any failure of the question is the answer
+        return f"{type(err).__name__}: {err}"[:300]
+    return None

@@ -24,9 +24,11 @@ KEPT_ANSWERS = 256
 """Results of keyed calls kept for a replay (far more than a client has in flight)."""
 
 
-def actor_name(model_id: str) -> str:
-    """The Ray actor name of a training model's actor."""
-    return ACTOR_PREFIX + model_id.replace(":", "-")
+def actor_name(model_id: str, generation: int = 0) -> str:
+    """The Ray actor name of a training model's actor; a model the service made again
+    (``generation`` > 0: ``Training.restore``) has a name of its own each time."""
+    name = ACTOR_PREFIX + model_id.replace(":", "-")
+    return f"{name}-g{generation}" if generation else name
 
 
 @ray.remote(max_concurrency=4)

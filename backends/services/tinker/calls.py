@@ -14,6 +14,9 @@ from flowrl.backends.models.tinker_checkpoints import not_found
 from flowrl.backends.services.tinker.journal import Journal
 from flowrl.backends.services.tinker.state import Future
 
+HISTORY_VERBS = ("forward_backward", "optim_step")
+"""The verbs whose calls can be part of a model's history (``journal.py``)."""
+
 
 class Calls:
     """Futures by id (each its namespace's), the journal (None: nothing outlives the process)
@@ -26,6 +29,7 @@ class Calls:
         self.try_again = 0  # 408 answers to retrieve_future (a result not ready in a long poll)
         self.answered: dict[tuple, dict] = {}  # (target, verb, seq_id) -> its answer
         self._answer_keys: dict[str, tuple] = {}  # future id -> its key in ``answered``
+        self.body_bytes: dict[str, int] = {}  # future id -> its journaled request's size
         self.replaying = threading.local()
         """``replay``: the future id of the journal's call being replayed; ``request_id``: the
         id the next verb's future takes."""
@@ -81,11 +85,16 @@ class Calls:
                     "body": base64.b64encode(raw).decode(),
                 }
             )
+        if verb in HISTORY_VERBS:
+            with self.lock:
+                self.body_bytes[request_id] = len(raw)
         self.replaying.request_id = request_id
         try:
             response = answer()
         except BaseException:
             self.done(request_id)  # refused at once: there is nothing to answer again
+            with self.lock:
+                self.body_bytes.pop(request_id, None)
             raise
         finally:
             self.replaying.request_id = None

@@ -62,6 +62,12 @@ class Checkpoints:
             storage.write_json(f"{folder}/checkpoint.json", record)
             if kind == "sampler_weights":
                 handle.call("add_snapshot_bytes", path, files["adapter.safetensors"])
+                snap = {"op": "snap", "model_id": model.model_id, "key": path, "folder": folder}
+                self.registry.calls.note(snap)  # the model's history (``journal.py``)
+            else:  # a saved state: the model's history starts again from it
+                self.registry.calls.note(
+                    {"op": "saved", "model_id": model.model_id, "folder": folder}
+                )
             return {
                 "path": path,
                 "type": "save_weights" if kind == "weights" else "save_weights_for_sampler",

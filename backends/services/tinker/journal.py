@@ -14,6 +14,19 @@ under its old future id. A call the actor had already run is answered from what 
 (its key is ``<future id>/<n>``: ``handles.request_key``), so nothing runs twice. The journal is
 then rewritten with only what is still live, as it is whenever it passes ``COMPACT_BYTES``.
 
+It also keeps each live model's **history**: what its weights are made of since its last saved
+state, so that a model whose weights were lost (its actor died with the Ray head, or it lived in
+the killed process) is made again exactly (``Training.restore``). Entries, in the order they
+ran on the model: ``ran`` (a ``forward_backward`` or ``optim_step`` call, by its future id: the
+call's entry stays while it is history), ``snap`` (a sampler's snapshot of the weights) and
+``loaded`` (a saved state loaded into it). A ``saved`` state (``save_state``, or the service's own
+when a history grows past ``Training``'s bound) starts the history again from that state, with
+the gradients of the ``forward_backward`` calls since the last ``optim_step``, which a saved
+state does not hold. A restore writes ``restoring`` (its generation: the model's actor has a
+name of its own each time) before it starts the model and ``restored`` once its history has
+run: the model entry carries the last of each, so that a restarted service trusts only a
+model whose restore ended, and closes one whose restore its killed predecessor had begun.
+
 One JSON object per line in ``<folder>/journal.jsonl``; a last line cut by a crash is dropped.
 """
 
@@ -40,10 +53,14 @@ class Pending:
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     samplers: dict[str, dict[str, Any]] = field(default_factory=dict)
     calls: list[dict[str, Any]] = field(default_factory=list)
+    history: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    """Each live model's history (the module docstring), its ``ran`` entries with their
+    call's ``verb`` and ``body``."""
 
     def entries(self) -> list[dict[str, Any]]:
-        """The journal that holds only this."""
+        """The journal that holds only this (a history's calls written into its entries)."""
         out = list(self.sessions.values()) + list(self.models.values())
+        out += [e for model_history in self.history.values() for e in model_history]
         return out + list(self.samplers.values()) + self.calls
 
 
@@ -52,8 +69,11 @@ def pending(entries: list[dict[str, Any]]) -> Pending:
     samplers, and the calls on those not marked done."""
     live = Pending()
     done = {e["rid"] for e in entries if e["op"] == "done"}
+    bodies = {e["rid"]: e for e in entries if e["op"] == "call"}
     for e in entries:
         op = e["op"]
+        if op in HISTORY:
+            _add_history(live.history, e, bodies)
         if op == "session":
             live.sessions[e["session_id"]] = e
         elif op == "end_session":
@@ -62,6 +82,9 @@ def pending(entries: list[dict[str, Any]]) -> Pending:
             live.models[e["model_id"]] = e
         elif op == "unload":
             live.models.pop(e["model_id"], None)
+        elif op in ("restoring", "restored") and e["model_id"] in live.models:
+            key = "generation" if op == "restored" else "restoring"
+            live.models[e["model_id"]] = {**live.models[e["model_id"]], key: e["generation"]}
         elif op == "sampler":
             live.samplers[e["sampler_id"]] = e
         elif op == "call" and e["rid"] not in done:
@@ -70,7 +93,38 @@ def pending(entries: list[dict[str, Any]]) -> Pending:
     live.samplers = {k: s for k, s in live.samplers.items() if s["session_id"] in live.sessions}
     targets = live.models.keys() | live.samplers.keys()
     live.calls = [c for c in live.calls if c["target"] in targets]
+    live.history = {k: h for k, h in live.history.items() if k in live.models}
     return live
+
+
+HISTORY = ("ran", "snap", "loaded", "saved")
+
+
+def _add_history(
+    history: dict[str, list[dict[str, Any]]], e: dict[str, Any], bodies: dict[str, dict]
+) -> None:
+    """One history entry ``e`` onto its model's history (the module docstring)."""
+    past = history.setdefault(e["model_id"], [])
+    op = e["op"]
+    if op == "ran":
+        call = bodies.get(e["rid"])
+        if "verb" in e:  # written whole by a rewrite
+            call = e
+        if call is None or any(h.get("rid") == e["rid"] for h in past):
+            return  # ran twice: a replay answered from the actor's kept answer
+        past.append({**e, "verb": call["verb"], "body": call["body"]})
+    elif op == "snap":
+        past.append(e)
+    elif op == "loaded":
+        past[:] = [e]
+    else:  # saved: the state, and the gradients it does not hold
+        gradients: list[dict[str, Any]] = []
+        for h in past:
+            if h["op"] == "loaded" or h.get("verb") == "optim_step":
+                gradients = []
+            elif h.get("verb") == "forward_backward":
+                gradients.append(h)
+        past[:] = [{**e, "op": "loaded", "optimizer": True}, *gradients]
 
 
 class Journal:

@@ -14,7 +14,7 @@ from typing import Any
 from flowrl.backends.engines.tinker.types import tinker_lora_config, training_lora
 from flowrl.backends.models.tinker_checkpoints import RUN_PATTERN, not_found, run_folder
 from flowrl.backends.policy.placement import Placement
-from flowrl.backends.policy.tinker_handles import ModelHandle, work_for
+from flowrl.backends.policy.tinker_handles import Answered, ModelHandle, actor_lost, work_for
 from flowrl.backends.services.tinker.calls import Calls
 from flowrl.backends.services.tinker.state import Future, Limits, Model, Session, now
 from flowrl.backends.types import LoraSettings
@@ -42,6 +42,10 @@ class Registry:
         self.lock: threading.RLock = calls.lock
         self.sessions: dict[str, Session] = {}
         self.models: dict[str, Model] = {}
+        self.restore: Callable[[Model, str], None] | None = None
+        """Makes a model whose weights were lost again (``Training.restore``; with a journal)."""
+        self.bound_history: Callable[[Model], None] | None = None
+        """Saves a model's state when its history grows too long (``Training``)."""
 
     def base_uri(self, name: str) -> str:
         if name not in self.catalogue:
@@ -138,8 +142,10 @@ class Registry:
         seed: int | None = None,
     ) -> Model:
         session = self.session(namespace, session_id)
-        uri = self.base_uri(base_model)
+        self.base_uri(base_model)
         model_id = f"{session_id}:train:{int(seq)}"
+        if seed is None:  # drawn here and journaled: a model made again starts the same
+            seed = secrets.randbits(62)
         if not RUN_PATTERN.match(model_id):
             raise ServiceError(400, f"bad model_seq_id {seq!r}")
         with self.lock:
@@ -174,15 +180,7 @@ class Registry:
                 "lora": tinker_lora_config(lora, seed),
             }
         )
-        spec = {
-            "model_id": model_id,
-            "namespace": namespace,
-            "base_model": base_model,
-            "base_uri": uri,
-            "lora": lora,
-            "seed": seed,
-            "session_id": session_id,
-        }
+        spec = self.spec(model)
 
         def start() -> dict:
             try:
@@ -194,6 +192,19 @@ class Registry:
 
         model.start = start
         return model
+
+    def spec(self, model: Model) -> dict[str, Any]:
+        """What the placement starts ``model`` from (``Placement.start_model``)."""
+        return {
+            "model_id": model.model_id,
+            "namespace": model.namespace,
+            "base_model": model.base_model,
+            "base_uri": self.base_uri(model.base_model),
+            "lora": model.lora,
+            "seed": model.seed,
+            "session_id": model.session_id,
+            "generation": model.generation,
+        }
 
     def unload(self, model: Model, why: str) -> None:
         with self.lock:
@@ -207,6 +218,8 @@ class Registry:
             if model.handle is not None:
                 model.handle.close()
                 model.handle = None
+            if model.restore_folder is not None:  # the state that cut its history
+                self.storage.delete(model.restore_folder)
 
         model.worker.submit(stop)
         model.worker.shutdown(wait=False)
@@ -217,21 +230,36 @@ class Registry:
         kind: str,
         fn: Callable[[ModelHandle], Any],
         namespace: str | None = None,
+        history: bool = False,
     ) -> str:
         """Queue ``fn(handle)`` on the model's worker; the id of the future, which belongs to
         ``namespace`` (default the model's; a shared sampling model's futures are the
-        caller's)."""
+        caller's). With ``history``, the call changes the weights: once it has run, it is
+        journaled as part of the model's history (``journal.py``). A model whose weights were
+        lost meanwhile (its actor died) is first made again from its history (``restore``,
+        with a journal), and ``fn`` runs on it."""
 
         request_id = self.calls.next_request_id()
 
         def work() -> Any:
             if model.handle is None:
                 raise ServiceError(410, f"model {model.model_id} is unloaded ({model.ended})")
-            work_for(request_id)  # its model calls are keyed: a replay runs none twice
+            if request_id in model.redone:  # its restore ran it: the same answer, not twice
+                return fn(Answered(model.redone.pop(request_id), model.handle.info))
             try:
-                return fn(model.handle)
-            finally:
-                work_for(None)
+                out = self._keyed(model, request_id, fn)
+            except Exception as err:
+                if self.restore is None or not actor_lost(err):
+                    raise
+                self.restore(model, f"{type(err).__name__}: {err}"[:300])
+                out = self._keyed(model, request_id, fn)
+            size = self.calls.body_bytes.pop(request_id, 0)
+            if history:
+                self.calls.note({"op": "ran", "model_id": model.model_id, "rid": request_id})
+                model.history_bytes += size
+                if self.bound_history is not None:
+                    self.bound_history(model)
+            return out
 
         try:
             return self.calls.submit(
@@ -239,6 +267,16 @@ class Registry:
             )
         except RuntimeError:  # the worker was shut down: the model was unloaded meanwhile
             raise ServiceError(410, f"model {model.model_id} is unloaded ({model.ended})") from None
+
+    @staticmethod
+    def _keyed(model: Model, request_id: str, fn: Callable[[ModelHandle], Any]) -> Any:
+        if model.handle is None:
+            raise ServiceError(410, f"model {model.model_id} is lost ({model.ended})")
+        work_for(request_id)  # its model calls are keyed: a replay runs none twice
+        try:
+            return fn(model.handle)
+        finally:
+            work_for(None)
 
     def create_model(self, namespace: str | None, req: Any) -> tuple[str, str]:
         """A ``CreateModelRequest``: the new model's start, queued; (future id, model id)."""

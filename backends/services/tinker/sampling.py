@@ -188,6 +188,8 @@ class Sampling:
                 ).result()
             else:
                 handle.call("snapshot", key)
+                snap = {"op": "snap", "model_id": model.model_id, "key": key}
+                self.registry.calls.note(snap)  # the model's history (``journal.py``)
             return {"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"}
 
         return self.registry.run_on(model, "save_weights_for_sampler", work), model.model_id

@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
 
 from flowrl.backends.engines.tinker.types import read_tinker_lora
 from flowrl.backends.policy.placement import InProcess, Placement, place
+from flowrl.backends.policy.tinker_handles import ray_cluster_gone
 from flowrl.backends.services.tinker.calls import Calls
 from flowrl.backends.services.tinker.checkpoints import Checkpoints
 from flowrl.backends.services.tinker.journal import Journal, pending
@@ -39,6 +42,10 @@ from flowrl.infra.storage import Storage
 
 __all__ = ["Limits", "TinkerService"]
 
+RAY_WATCH_S = 5.0
+"""How often a service with a journal asks whether its Ray cluster is still there."""
+RAY_GONE_EXIT = 75
+"""The exit status of a service whose Ray cluster is gone (``EX_TEMPFAIL``)."""
 START_AGAIN_S = 300.0
 """How long a restarted service waits for a model whose start the killed one had begun."""
 
@@ -76,9 +83,15 @@ class TinkerService:
         self.training = Training(self.registry, self.checkpoints)
         self.sampling = Sampling(sampler_placement, self.registry, self.checkpoints)
         self.sessions = self.registry.sessions  # by id (tests and tools read them)
+        if journal is not None:  # a lost model can be made again from its history
+            self.registry.restore = self._restore
+            self.registry.bound_history = self.training.bound_history
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap, daemon=True, name="tinker-reaper")
         self._reaper.start()
+        if journal is not None and not isinstance(placement, InProcess):
+            watch = threading.Thread(target=self._watch_ray, daemon=True, name="tinker-ray")
+            watch.start()
 
     @property
     def try_again(self) -> int:
@@ -89,6 +102,34 @@ class TinkerService:
         while not self._stop.wait(1.0):
             self.calls.expire(self.limits.future_ttl_s)
             self.registry.end_silent_sessions()
+
+    def _watch_ray(self) -> None:
+        """A service with a journal whose Ray cluster is gone (its head died and was started
+        again: a new cluster, which this process cannot join again) exits, to be started again
+        by its supervisor on its journal: its models are then made again (``recover``)."""
+        while not self._stop.wait(RAY_WATCH_S):
+            self._exit_if_ray_is_gone()
+
+    def _exit_if_ray_is_gone(self) -> None:
+        why = ray_cluster_gone()
+        if why is None or self._stop.wait(RAY_WATCH_S):
+            return
+        why = ray_cluster_gone()  # twice in a row: not a GCS that is only slow to answer
+        if why is not None:
+            print(
+                f"the Ray cluster this service joined is gone ({why}): exiting, to start "
+                "again on the journal",
+                file=sys.stderr,
+                flush=True,
+            )
+            os._exit(RAY_GONE_EXIT)
+
+    def _restore(self, model: Model, why: str) -> None:
+        """A model whose actor was lost under a call: made again here, unless the Ray cluster
+        went with it (then this service exits, and the next one makes it again)."""
+        if not isinstance(self.placement, InProcess):
+            self._exit_if_ray_is_gone()
+        self.training.restore(model, why)
 
     def close(self) -> None:
         """Stop: every session ends, unless a journal keeps them for the next service (their
@@ -114,25 +155,35 @@ class TinkerService:
         for e in live.sessions.values():
             session = Session(e["session_id"], e["ns"], e.get("display_name"), e.get("meta") or {})
             self.sessions[session.session_id] = session
-        found = 0
+        found, lost = 0, []
         starting = {c["target"] for c in live.calls if c["verb"] == "create_model"}
         for e in live.models.values():
             lora, seed = read_tinker_lora(e["lora"])
             model = Model(e["model_id"], e["ns"], e["session_id"], e["base_model"], lora, seed)
-            model.handle = self.placement.find_model(model.model_id)
+            model.generation, model.restoring = e.get("generation", 0), e.get("restoring")
+            model.handle = self.placement.find_model(model.model_id, model.generation)
             if model.handle is None and model.model_id not in starting:
-                model.ended = "lost: the service restarted and the model was not found"
+                lost.append(model)
+            elif model.restoring is not None:  # found: a restore begun since was not needed
+                orphan = self.placement.find_model(model.model_id, model.restoring)
+                if orphan is not None:
+                    orphan.close()
             found += model.handle is not None
             self.registry.models[model.model_id] = model
             self.sessions[model.session_id].models.append(model.model_id)
+        for model in lost:  # made again from its history, first on its worker (``restore``)
+            wanted = {c["rid"] for c in live.calls if c["target"] == model.model_id}
+            why = "the service restarted and the model was not found"
+            model.worker.submit(self.training.restore, model, why, wanted)
         for e in live.samplers.values():
             self.sampling.restore(e)
         for call in live.calls:
             self._replay(call, verbs)
         self.journal.rewrite(live.entries())
         return (
-            f"{len(live.sessions)} sessions, {found} of {len(live.models)} models, "
-            f"{len(live.samplers)} samplers and {len(live.calls)} unanswered calls recovered"
+            f"{len(live.sessions)} sessions, {found} of {len(live.models)} models "
+            f"({len(lost)} to make again from their history), {len(live.samplers)} samplers "
+            f"and {len(live.calls)} unanswered calls recovered"
         )
 
     def _replay(self, call: dict, verbs: dict) -> None:

@@ -58,6 +58,16 @@ class Model:
     ended: str | None = None
     start: Callable[[], Any] | None = None
     """Starts the model (its placement's ``start``) as the first work on its worker."""
+    redone: dict[str, Any] = field(default_factory=dict)
+    """What calls its restore ran again answered, by future id, for their replays."""
+    history_bytes: int = 0
+    """The journaled bodies of its history since its last saved state."""
+    generation: int = 0
+    """How many times it was made again (``Training.restore``)."""
+    restoring: int | None = None
+    """The generation of a restore whose end was never journaled (its service died in it)."""
+    restore_folder: str | None = None
+    """The state the service saved to cut its history (``Training.bound_history``)."""
 
 
 @dataclass

@@ -1,23 +1,42 @@
 """The Tinker service's training verbs on a model: ``forward_backward`` (and ``forward``),
 ``optim_step``, and loading a saved state into a live or a new model. Each runs on the model's
-worker (``Registry.run_on``) and answers a future id at once."""
+worker (``Registry.run_on``) and answers a future id at once. With a journal, a model whose
+weights were lost (its actor died, or the Ray head with it; it lived in a killed service) is
+made again exactly from its history (``restore``)."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import json
+import secrets
+import sys
+import time
+from collections.abc import Collection
 from typing import Any
 
-from flowrl.backends.engines.tinker.types import check_batch, read_tinker_lora
-from flowrl.backends.policy.tinker_handles import ModelHandle
+from flowrl.backends.engines.tinker.types import adam_step, check_batch, read_tinker_lora
+from flowrl.backends.models.tinker_checkpoints import run_folder
+from flowrl.backends.policy.tinker_handles import ModelHandle, work_for
 from flowrl.backends.services.tinker.checkpoints import Checkpoints
+from flowrl.backends.services.tinker.journal import pending
 from flowrl.backends.services.tinker.registry import Registry
 from flowrl.backends.services.tinker.state import Model
-from flowrl.backends.services.tinker.wire import write_forward_output
+from flowrl.backends.services.tinker.wire import read_forward_backward, write_forward_output
 from flowrl.backends.types import LoraSettings
 from flowrl.infra.serving import ServiceError
 
+HISTORY_BYTES = 16 * 2**20
+"""A model's history past this many journaled bytes is cut by a save of its state."""
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
 
 class Training:
-    """The verbs that change or read a training model's weights."""
+    """The verbs that change or read a training model's weights, and a lost model's restore
+    from its history (with a journal)."""
 
     def __init__(self, registry: Registry, checkpoints: Checkpoints):
         self.registry = registry
@@ -36,7 +55,10 @@ class Training:
             )
             return write_forward_output(out)
 
-        return self.registry.run_on(model, "forward_backward", work), model.model_id
+        future = self.registry.run_on(
+            model, "forward_backward", work, history=not call.forward_only
+        )
+        return future, model.model_id
 
     def optim_step(self, namespace: str | None, model_id: Any, adam: dict) -> tuple[str, str]:
         """One AdamW step with checked parameters (``types.adam_step``)."""
@@ -45,7 +67,7 @@ class Training:
         def work(handle: ModelHandle) -> dict:
             return {"metrics": handle.call("optim_step", **adam)}
 
-        return self.registry.run_on(model, "optim_step", work), model.model_id
+        return self.registry.run_on(model, "optim_step", work, history=True), model.model_id
 
     def load_weights(self, namespace: str | None, req: Any) -> tuple[str, str]:
         """A ``LoadWeightsRequest``: a saved state into a live model of the same base and
@@ -74,6 +96,8 @@ class Training:
             if start is not None:
                 start()
             model.handle.call("load_state_bytes", files, optimizer)
+            loaded = {"op": "loaded", "model_id": model.model_id, "folder": folder}
+            self.registry.calls.note({**loaded, "optimizer": optimizer})
             return {"path": path, "model_id": model.model_id, "type": "load_weights"}
 
         if start is not None:
@@ -96,3 +120,92 @@ class Training:
         return self.registry.new_model(
             namespace, req.session_id, req.model_seq_id, base, lora, meta, seed
         )
+
+    # ------------------------------------------------------------------- restore
+
+    def restore(self, model: Model, why: str, wanted: Collection[str] = ()) -> None:
+        """Make ``model`` again where its placement starts models, from its history in the
+        journal (``journal.py``): its last saved state, then each call since, in order. On
+        the model's worker, before its next call; the answers of the calls in ``wanted``
+        (future ids a restarted service replays) are kept for them (``Registry.run_on``).
+        A model that cannot be made again is lost: its calls get a 410 naming why."""
+        journal = self.registry.calls.journal
+        assert journal is not None  # noqa: S101 - set only with a journal
+        began = time.monotonic()
+        placement = self.registry.placement
+        orphan = None
+        if model.restoring is not None:  # a restore its killed predecessor had begun
+            orphan = placement.find_model(model.model_id, model.restoring)
+        for old in (model.handle, orphan):  # what each held goes: a slot, a session run
+            if old is not None:
+                with contextlib.suppress(Exception):
+                    old.close()
+        model.handle = None
+        say(f"model {model.model_id}: its weights were lost ({why}); making it again")
+        generation = max(model.generation, model.restoring or 0) + 1
+        note = {"model_id": model.model_id, "generation": generation}
+        self.registry.calls.note({"op": "restoring", **note})
+        model.restoring, last = generation, model.generation
+        handle = None
+        try:
+            history = pending(journal.read()).history.get(model.model_id, [])
+            if history and "/restore/" in history[0].get("folder", ""):
+                model.restore_folder = history[0]["folder"]  # the service's own saved state
+            model.generation = generation
+            handle = placement.start_model(self.registry.spec(model))
+            redone = {}
+            for entry in history:
+                out = self._redo(handle, entry)
+                if entry.get("rid") in wanted:
+                    redone[entry["rid"]] = out
+        except Exception as err:
+            model.generation = last
+            if handle is not None:
+                with contextlib.suppress(Exception):
+                    handle.close()
+            model.ended = f"lost: it could not be made again ({type(err).__name__}: {err})"[:500]
+            say(f"model {model.model_id}: {model.ended}")
+            raise ServiceError(410, f"model {model.model_id} is {model.ended}") from err
+        self.registry.calls.note({"op": "restored", **note})
+        model.redone, model.handle, model.restoring = redone, handle, None
+        say(
+            f"model {model.model_id} made again from its history ({len(history)} entries) in "
+            f"{time.monotonic() - began:.1f} s"
+        )
+
+    def _redo(self, handle: ModelHandle, entry: dict) -> Any:
+        """One history entry, run again on a new model (unkeyed: it has none of the answers)."""
+        op = entry["op"]
+        if op == "loaded":
+            files = self.checkpoints.read(entry["folder"], entry["optimizer"])
+            return handle.call("load_state_bytes", files, entry["optimizer"])
+        if op == "snap" and "folder" in entry:  # a saved sampler's weights
+            data = self.checkpoints.storage.read_bytes(f"{entry['folder']}/adapter.safetensors")
+            return handle.call("add_snapshot_bytes", entry["key"], data)
+        if op == "snap":
+            return handle.call("snapshot", entry["key"])
+        raw = base64.b64decode(entry["body"])
+        if entry["verb"] == "forward_backward":
+            call = read_forward_backward(raw)
+            return handle.call(
+                "forward_backward", call.data, call.loss_fn, call.config, call.forward_only
+            )
+        from tinker import types as t
+
+        params = t.OptimStepRequest.model_validate(json.loads(raw)).optim_params
+        return handle.call("optim_step", **adam_step(params))
+
+    def bound_history(self, model: Model) -> None:
+        """Past ``HISTORY_BYTES`` of history, save the model's state where its restore reads
+        it (not a checkpoint of the client's), and start its history again from there."""
+        if model.history_bytes <= HISTORY_BYTES or model.handle is None:
+            return
+        folder = f"{run_folder(model.namespace, model.model_id)}/restore/{secrets.token_hex(4)}"
+        storage = self.checkpoints.storage
+        work_for(None)
+        for file, data in model.handle.call("state_bytes", True).items():
+            storage.write_bytes(f"{folder}/{file}", data)
+        self.registry.calls.note({"op": "saved", "model_id": model.model_id, "folder": folder})
+        if model.restore_folder is not None:
+            storage.delete(model.restore_folder)
+        model.restore_folder, model.history_bytes = folder, 0
