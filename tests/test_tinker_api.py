@@ -622,3 +622,91 @@ def test_a_long_history_is_cut_by_a_saved_state_and_a_lost_model_is_made_again(
         assert not service.storage.exists(kept)  # an unloaded model's state goes with it
     finally:
         srv.stop()
+
+
+def test_the_sdks_policy_losses_reach_the_model(server: Server, tokenizer) -> None:
+    """``dro`` (with its ``beta``) and ``gspo`` through the SDK train a model: RL data whose
+    advantage favours one completion raises its log-prob; ``stable_reinforce`` is a 400 that
+    says why (the math of each loss: ``test_tinker_losses.py``)."""
+    ids = tokenizer.encode("12+7=19")
+    n = len(ids) - 1
+
+    def rl_datum(sampler_logprobs: list[float]) -> types.Datum:
+        return types.Datum(
+            model_input=types.ModelInput.from_ints(ids[:-1]),
+            loss_fn_inputs={
+                "target_tokens": ids[1:],
+                "logprobs": sampler_logprobs,
+                "advantages": [0.0] * 2 + [1.0] * (n - 2),
+            },
+        )
+
+    for loss_fn, config in (("dro", {"beta": 0.1}), ("gspo", {"clip_high_threshold": 1.5})):
+        tc = server.client().create_lora_training_client(BASE, rank=4, seed=5).result()
+        probe = tc.forward([_datums(tokenizer, ["12+7=19"])[0]], "cross_entropy").result()
+        before = probe.loss_fn_outputs[0]["logprobs"].data
+        for _ in range(3):
+            tc.forward_backward([rl_datum(list(before))], loss_fn, config).result()
+            tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        after = tc.forward([_datums(tokenizer, ["12+7=19"])[0]], "cross_entropy").result()
+        gained = sum(after.loss_fn_outputs[0]["logprobs"].data[2:]) - sum(before[2:])
+        assert gained > 0, (loss_fn, gained)
+    with pytest.raises(tinker.BadRequestError, match="record_stability_info"):
+        tc.forward_backward([rl_datum(list(before))], "stable_reinforce").result()
+
+
+def test_forward_backward_custom_runs_a_clients_loss(server: Server, tokenizer) -> None:
+    """``forward_backward_custom`` with a plain function: the SDK takes the log-probs (a
+    forward pass), runs the loss on the client and sends its gradient back as a weighted
+    ``cross_entropy``. A loss that is cross-entropy written by hand gives cross-entropy's
+    value and trains as it does."""
+    import torch
+
+    data = _datums(tokenizer, LINES[:2])
+
+    def nll(batch: list, logprobs: list[torch.Tensor]) -> tuple[torch.Tensor, dict]:
+        loss = -sum(lp.sum() for lp in logprobs)
+        return loss, {"custom/nll:sum": float(loss)}
+
+    tc = server.client().create_lora_training_client(BASE, rank=4, seed=9).result()
+    twin = server.client().create_lora_training_client(BASE, rank=4, seed=9).result()
+    first = tc.forward_backward_custom(data, nll).result()
+    expected = twin.forward_backward(data, "cross_entropy").result()
+    assert abs(first.metrics["custom/nll:sum"] - expected.metrics["loss:sum"]) < 1e-4
+    for client in (tc, twin):
+        client.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = [c.forward(data, "cross_entropy").result().metrics["loss:sum"] for c in (tc, twin)]
+    assert after[0] < expected.metrics["loss:sum"]
+    assert abs(after[0] - after[1]) < 1e-4 * abs(after[1])  # the same step as cross-entropy's
+
+    def weighted_nll(logprobs: torch.Tensor, weights: torch.Tensor):  # noqa: ANN202
+        loss = -(logprobs * weights).sum()
+        return loss, {"custom/nll:sum": loss}
+
+    # A loss made with create_custom_loss (traced by the SDK; this server has it run on the
+    # client: its client config says custom_loss_server_side false) gives the same value.
+    service = server.client()
+    handle = service.create_custom_loss(weighted_nll, {"logprobs": 1, "weights": 1}).result()
+    assert handle.loss_id is None  # not uploaded
+    fresh = service.create_lora_training_client(BASE, rank=4, seed=9).result()
+    out = fresh.forward_backward_custom(data, handle).result()
+    assert abs(out.metrics["custom/nll:sum"] - expected.metrics["loss:sum"]) < 1e-4
+
+
+def test_the_models_per_key_limit_is_configurable(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """``flowrl serve tinker``'s live-models-per-key limit: ``--max-models-per-key``, else
+    ``FLOWRL_TINKER_MAX_MODELS``, else 8; a value that is not a whole number >= 1 stops the
+    command with a line naming it (the limit's 403 itself: the test above)."""
+    from flowrl.backends.services.tinker.server import parse_args
+
+    assert parse_args([]).max_models_per_key == Limits.max_models_per_namespace
+    monkeypatch.setenv("FLOWRL_TINKER_MAX_MODELS", "3")
+    assert parse_args([]).max_models_per_key == 3
+    assert parse_args(["--max-models-per-key", "5"]).max_models_per_key == 5
+    monkeypatch.setenv("FLOWRL_TINKER_MAX_MODELS", "many")
+    with pytest.raises(SystemExit):
+        parse_args([])
+    assert "FLOWRL_TINKER_MAX_MODELS: 'many' is not a whole number" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--max-models-per-key", "0"])
+    assert "0 is not at least 1" in capsys.readouterr().err

@@ -14,6 +14,12 @@ The math follows the Tinker SDK's documented semantics:
   - ``importance_sampling``: ``-exp(logprobs - sampler_logprobs) * advantages``;
   - ``ppo``: ``-min(r * A, clip(r, low, high) * A)``, ``r = exp(logprobs - sampler_logprobs)``;
   - ``cispo``: ``-stopgrad(clip(r, low, high)) * A * logprobs``;
+  - ``dro``: ``-(logprobs * A - beta / 2 * (logprobs - sampler_logprobs) ** 2)`` (``beta``:
+    ``loss_fn_config``'s, default 0.05);
+  - ``gspo`` (GSPO-token): each token's ratio ``s_t`` has the value of its sequence's ratio
+    ``s = exp(mean over M of (logprobs - sampler_logprobs))`` and the gradient of its own
+    log-prob, then ``-min(s_t * A, clip(s_t, low, high) * A)``; ``M`` is the datum's
+    ``sequence_ratio_mask`` (nonzero entries), by default its tokens with a nonzero advantage;
 
   ``low`` / ``high`` are ``loss_fn_config``'s ``clip_low_threshold`` / ``clip_high_threshold``
   (default 0.8 / 1.2), or per-token ``loss_fn_inputs`` of the same names.
@@ -48,6 +54,7 @@ from flowrl.backends.engines import parking
 from flowrl.backends.engines.algorithms import token_logprobs
 from flowrl.backends.engines.tinker.types import (
     DEFAULT_CLIP,
+    DEFAULT_DRO_BETA,
     Datum,
     ForwardOutput,
     SampledSequence,
@@ -477,8 +484,14 @@ def _elementwise_loss(
     if loss_fn == "cross_entropy":
         weights = inputs.get("weights")
         return -(weights if weights is not None else mask) * logp
-    ratio = torch.exp(logp - inputs["logprobs"])
     adv = inputs["advantages"]
+    if loss_fn == "dro":
+        beta = config.get("beta", DEFAULT_DRO_BETA)
+        return -(logp * adv - 0.5 * beta * (logp - inputs["logprobs"]) ** 2)
+    if loss_fn == "gspo":
+        ratio = _sequence_ratio(logp, inputs, mask)
+    else:
+        ratio = torch.exp(logp - inputs["logprobs"])
     if loss_fn == "importance_sampling":
         return -ratio * adv
     low = inputs.get(
@@ -490,9 +503,23 @@ def _elementwise_loss(
         torch.full_like(logp, config.get("clip_high_threshold", DEFAULT_CLIP[1])),
     )
     clipped = torch.minimum(torch.maximum(ratio, low), high)
-    if loss_fn == "ppo":
+    if loss_fn in ("ppo", "gspo"):
         return -torch.minimum(ratio * adv, clipped * adv)
     return -(clipped.detach() * adv * logp)  # cispo
+
+
+def _sequence_ratio(
+    logp: torch.Tensor, inputs: dict[str, torch.Tensor], mask: torch.Tensor
+) -> torch.Tensor:
+    """GSPO-token's ratio of each token (rows are data): the value of its sequence's ratio
+    (the geometric mean of the token ratios over the row's ``sequence_ratio_mask``), the
+    gradient of its own log-prob."""
+    marks = inputs.get("sequence_ratio_mask")
+    in_ratio = ((marks != 0) if marks is not None else (inputs["advantages"] != 0)) & (mask != 0)
+    in_ratio = in_ratio.to(logp.dtype)
+    log_ratio = ((logp.detach() - inputs["logprobs"]) * in_ratio).sum(dim=1, keepdim=True)
+    log_ratio = log_ratio / in_ratio.sum(dim=1, keepdim=True).clamp(min=1.0)
+    return torch.exp(log_ratio + logp - logp.detach())
 
 
 def _pick(

@@ -17,6 +17,8 @@ TINKER_LORA_ALPHA = 32
 ``alpha / r * B @ A``."""
 
 DEFAULT_CLIP = (0.8, 1.2)
+DEFAULT_DRO_BETA = 0.05
+"""``dro``'s ``beta`` when ``loss_fn_config`` sets none (the value Tinker's docs show)."""
 
 LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # loss: (required inputs, optional inputs), besides target_tokens
@@ -24,6 +26,11 @@ LOSS_INPUTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "importance_sampling": (("logprobs", "advantages"), ()),
     "ppo": (("logprobs", "advantages"), ("clip_low_threshold", "clip_high_threshold")),
     "cispo": (("logprobs", "advantages"), ("clip_low_threshold", "clip_high_threshold")),
+    "dro": (("logprobs", "advantages"), ()),
+    "gspo": (
+        ("logprobs", "advantages"),
+        ("sequence_ratio_mask", "clip_low_threshold", "clip_high_threshold"),
+    ),
 }
 """The loss functions served, with the ``loss_fn_inputs`` each reads."""
 LOSS_CONFIG: dict[str, tuple[str, ...]] = {
@@ -31,8 +38,15 @@ LOSS_CONFIG: dict[str, tuple[str, ...]] = {
     "importance_sampling": (),
     "ppo": ("clip_low_threshold", "clip_high_threshold"),
     "cispo": ("clip_low_threshold", "clip_high_threshold"),
+    "dro": ("beta",),
+    "gspo": ("clip_low_threshold", "clip_high_threshold"),
 }
 """The ``loss_fn_config`` keys each loss reads (any other key is refused)."""
+REFUSED_LOSSES = {
+    "stable_reinforce": "it needs the stability information a sampler records at sampling time "
+    "(record_stability_info, sequence_id), which this server's samplers do not record",
+}
+"""Losses the SDK names that this server refuses, with why."""
 
 
 class TinkerInputError(ValueError):
@@ -132,6 +146,10 @@ def check_batch(
 ) -> None:
     """Refuse, naming what is wrong: an unknown loss or config key, a missing input, a length
     that differs from the datum's tokens, a token id outside the vocabulary."""
+    if loss_fn in REFUSED_LOSSES:
+        raise TinkerInputError(
+            f"loss function {loss_fn!r} is not supported here: {REFUSED_LOSSES[loss_fn]}"
+        )
     if loss_fn not in LOSS_INPUTS:
         raise TinkerInputError(
             f"loss function {loss_fn!r} is not supported here (supported: {', '.join(LOSS_INPUTS)})"

@@ -14,6 +14,7 @@ line hands in the session runs, which are the flow layer's.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +27,7 @@ from flowrl.infra import serving
 from flowrl.infra.serving import add_serving_arguments, check_exposure, serve, serving_limits
 
 KEYS_VAR = "FLOWRL_TINKER_KEYS"
+MAX_MODELS_VAR = "FLOWRL_TINKER_MAX_MODELS"
 KEY_PREFIX = "tml-"
 PORT = 8790
 
@@ -89,13 +91,40 @@ def command_parser() -> argparse.ArgumentParser:
         "and the results they had not taken, so their loops do not notice the restart "
         "(`flowrl stack up` sets it). Without it, sessions end with the process.",
     )
+    parser.add_argument(
+        "--max-models-per-key",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help=f"Live training models one API key may hold (default {MAX_MODELS_VAR}, else "
+        f"{Limits.max_models_per_namespace}); one more is refused with a 403 naming the limit.",
+    )
     parser.add_argument("--adapter-slots", type=int, help=argparse.SUPPRESS)  # the old name
     return parser
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    """The command's flags; the old ``--adapter-slots`` still works, with a warning."""
-    args = command_parser().parse_args(argv)
+    """The command's flags (``--max-models-per-key`` defaults to ``FLOWRL_TINKER_MAX_MODELS``);
+    the old ``--adapter-slots`` still works, with a warning."""
+    parser = command_parser()
+    args = parser.parse_args(argv)
+    if args.max_models_per_key is None:
+        env = os.environ.get(MAX_MODELS_VAR)
+        try:
+            limit = _positive(env) if env else Limits.max_models_per_namespace
+        except argparse.ArgumentTypeError as err:
+            parser.error(f"{MAX_MODELS_VAR}: {err}")
+        args.max_models_per_key = limit
     if args.adapter_slots is not None:
         print("warning: --adapter-slots is deprecated; use --resident-adapters", file=sys.stderr)
         args.resident_adapters = args.adapter_slots
@@ -143,6 +172,7 @@ def run(args: argparse.Namespace, keys: dict[str, str], placement: Placement) ->
         max_body_bytes=shared.max_body_bytes,
         max_requests_per_s=shared.max_requests_per_s,
         session_ttl_s=args.session_ttl,
+        max_models_per_namespace=args.max_models_per_key,
     )
     journal = Journal(Path(args.journal)) if args.journal else None
     service = TinkerService(

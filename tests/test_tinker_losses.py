@@ -1,0 +1,138 @@
+"""The Tinker API's policy losses beyond PPO (``backends/engines/tinker/model.py``): ``dro`` and
+``gspo`` (GSPO-token), each loss equal to a hand computation from the model's own log-probs,
+and each gradient equal to that of a cross-entropy whose per-token weights are the hand-derived
+``-d loss / d logprob``; ``stable_reinforce`` refused, naming why."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from flowrl.backends.engines.tinker.model import TinkerModel
+from flowrl.backends.engines.tinker.types import Datum, TinkerInputError, tinker_lora
+
+BETA = 0.3
+LOW, HIGH = 0.95, 1.03  # narrow: some sequences are clipped, some not
+
+
+@pytest.fixture(scope="module")
+def base_dir(model_dir: str) -> str:
+    return model_dir
+
+
+def _model(base_dir: str, name: str) -> TinkerModel:
+    return TinkerModel(base_dir, tinker_lora(rank=4), seed=5, name=name)
+
+
+def _data(logprob_shift: float) -> list[Datum]:
+    """Four data of different lengths, with a prompt (advantage 0) and a completion; the
+    sampler's log-probs are made up (the model's own, shifted, per datum)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for i, n in enumerate((6, 9, 7, 5)):
+        tokens = rng.integers(5, 60, size=n).tolist()
+        advantages = np.where(np.arange(n) >= 2, rng.normal(size=n), 0.0).astype(np.float32)
+        inputs = {
+            "target_tokens": np.array(tokens[1:] + [7]),
+            "logprobs": np.full(n, -3.0 - logprob_shift * i, np.float32),
+            "advantages": advantages,
+        }
+        out.append(Datum(tokens, inputs))
+    return out
+
+
+def _with_sampler_logprobs(model: TinkerModel, data: list[Datum], shift: float) -> list[Datum]:
+    """``data`` whose sampler log-probs are the model's own plus ``shift`` per datum index."""
+    probe = [Datum(d.tokens, {"target_tokens": d.inputs["target_tokens"]}) for d in data]
+    own = model.forward_backward(probe, "cross_entropy", forward_only=True).outputs
+    return [
+        Datum(d.tokens, {**d.inputs, "logprobs": (o["logprobs"] + shift * i).astype(np.float32)})
+        for i, (d, o) in enumerate(zip(data, own, strict=True))
+    ]
+
+
+def _grads(model: TinkerModel) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in model._named_params().values()])
+
+
+def _as_cross_entropy(data: list[Datum], weights: list[np.ndarray]) -> list[Datum]:
+    return [
+        Datum(
+            d.tokens, {"target_tokens": d.inputs["target_tokens"], "weights": w.astype(np.float32)}
+        )
+        for d, w in zip(data, weights, strict=True)
+    ]
+
+
+def _check(base_dir: str, loss_fn: str, config: dict, hand) -> None:  # noqa: ANN001
+    """``loss_fn`` on a fresh model: its ``loss:sum`` equals the hand loss from the model's
+    log-probs, and its gradient that of cross-entropy with the hand weights."""
+    model, twin = _model(base_dir, "m"), _model(base_dir, "twin")
+    data = _with_sampler_logprobs(model, _data(0.0), shift=0.02)
+    out = model.forward_backward(data, loss_fn, config)
+    logprobs = [o["logprobs"].astype(np.float64) for o in out.outputs]
+    losses, weights = zip(*(hand(lp, d) for lp, d in zip(logprobs, data, strict=True)), strict=True)
+    assert np.isclose(out.metrics["loss:sum"], sum(x.sum() for x in losses), rtol=1e-6, atol=1e-6)
+    for o, expected in zip(out.outputs, losses, strict=True):
+        assert np.allclose(o["elementwise_loss"], expected, rtol=1e-6, atol=1e-6)
+    twin.forward_backward(_as_cross_entropy(data, list(weights)), "cross_entropy")
+    got, want = _grads(model), _grads(twin)
+    assert torch.norm(want) > 0
+    assert torch.max(torch.abs(got - want)) <= 1e-6 * torch.max(torch.abs(want)) + 1e-9
+
+
+def test_dro_is_its_formula(base_dir: str) -> None:
+    """``-(logp * A - beta / 2 * (logp - q) ** 2)`` per token, whose ``-dL/dlogp`` is
+    ``A - beta (logp - q)``."""
+
+    def hand(logp: np.ndarray, d: Datum) -> tuple[np.ndarray, np.ndarray]:
+        adv, q = d.inputs["advantages"], d.inputs["logprobs"].astype(np.float64)
+        loss = -(logp * adv - 0.5 * BETA * (logp - q) ** 2)
+        return loss, adv - BETA * (logp - q)
+
+    _check(base_dir, "dro", {"beta": BETA}, hand)
+
+
+def test_gspo_is_its_formula(base_dir: str) -> None:
+    """GSPO-token: each token's ratio is its sequence's geometric-mean ratio ``s`` over the
+    tokens with an advantage; ``-min(s A, clip(s) A)``; the gradient, where the unclipped
+    term is the minimum (or ``s`` is inside the clip), is ``s A`` on the token's log-prob."""
+
+    def hand(logp: np.ndarray, d: Datum) -> tuple[np.ndarray, np.ndarray]:
+        adv, q = d.inputs["advantages"].astype(np.float64), d.inputs["logprobs"]
+        marked = adv != 0
+        s = np.exp(np.mean((logp - q)[marked]))
+        clipped = np.clip(s, LOW, HIGH)
+        loss = -np.minimum(s * adv, clipped * adv)
+        live = (s * adv <= clipped * adv) | ((s >= LOW) & (s <= HIGH))
+        return loss, np.where(live, s * adv, 0.0)
+
+    config = {"clip_low_threshold": LOW, "clip_high_threshold": HIGH}
+    _check(base_dir, "gspo", config, hand)
+
+
+def test_gspo_takes_the_sequence_mask_it_is_given(base_dir: str) -> None:
+    """An explicit ``sequence_ratio_mask`` (here: the first marked token only) sets which
+    tokens the sequence ratio averages over."""
+    model = _model(base_dir, "m")
+    data = _with_sampler_logprobs(model, _data(0.0), shift=0.05)
+    masked = []
+    for d in data:
+        mask = np.zeros(len(d.tokens), np.float32)
+        mask[2] = 1.0
+        masked.append(Datum(d.tokens, {**d.inputs, "sequence_ratio_mask": mask}))
+    out = model.forward_backward(masked, "gspo", {}, forward_only=True)
+    for o, d in zip(out.outputs, masked, strict=True):
+        logp, q, adv = o["logprobs"], d.inputs["logprobs"], d.inputs["advantages"]
+        s = np.exp(logp[2] - q[2])
+        expected = -np.minimum(s * adv, np.clip(s, 0.8, 1.2) * adv)
+        assert np.allclose(o["elementwise_loss"], expected, rtol=1e-6, atol=1e-6)
+
+
+def test_stable_reinforce_is_refused_naming_why(base_dir: str) -> None:
+    model = _model(base_dir, "m")
+    with pytest.raises(TinkerInputError, match="stable_reinforce.*record_stability_info"):
+        model.forward_backward(_data(0.0), "stable_reinforce", {})
+    with pytest.raises(TinkerInputError, match=r"\['gamma'\] are not used by 'dro'"):
+        model.forward_backward(_data(0.0), "dro", {"gamma": 1.0})
