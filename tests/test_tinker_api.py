@@ -683,14 +683,48 @@ def test_forward_backward_custom_runs_a_clients_loss(server: Server, tokenizer) 
         loss = -(logprobs * weights).sum()
         return loss, {"custom/nll:sum": loss}
 
-    # A loss made with create_custom_loss (traced by the SDK; this server has it run on the
-    # client: its client config says custom_loss_server_side false) gives the same value.
+    # A loss made with create_custom_loss is uploaded (the client config says
+    # custom_loss_server_side) and runs on the server in one forward_backward: the same value,
+    # the same step.
     service = server.client()
     handle = service.create_custom_loss(weighted_nll, {"logprobs": 1, "weights": 1}).result()
-    assert handle.loss_id is None  # not uploaded
+    assert handle.loss_id is not None
     fresh = service.create_lora_training_client(BASE, rank=4, seed=9).result()
     out = fresh.forward_backward_custom(data, handle).result()
     assert abs(out.metrics["custom/nll:sum"] - expected.metrics["loss:sum"]) < 1e-4
+    assert abs(out.metrics["loss:sum"] - expected.metrics["loss:sum"]) < 1e-4
+    fresh.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    stepped = fresh.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    assert abs(stepped - after[1]) < 1e-4 * abs(after[1])
+
+
+def test_a_hostile_custom_loss_is_a_400_and_the_server_goes_on(server: Server) -> None:
+    """A loss graph sent to ``create_custom_loss`` that calls outside the allow-list (here
+    ``os.system``) is refused with a 400 naming it; nothing runs, and the session goes on."""
+    client = server.client()
+    tc = client.create_lora_training_client(BASE, rank=2, seed=1).result()
+    session_id = client.holder.get_session_id()
+    nodes = [
+        {"op": "placeholder", "name": "logprobs", "target": "logprobs", "args": [], "kwargs": {}},
+        {"op": "call_function", "name": "y", "target": "os.system", "args": ["touch /tmp/pwned"]},
+        {
+            "op": "output",
+            "name": "output",
+            "target": "output",
+            "args": [{"tuple": [{"ref": "y"}, {"dict": {}}]}],
+        },
+    ]
+    body = {
+        "session_id": session_id,
+        "custom_loss_seq_id": 0,
+        "name": "evil",
+        "inputs": [{"name": "logprobs", "rank": 1}],
+        "graph": {"format": 1, "nodes": nodes},
+        "type": "create_custom_loss",
+    }
+    refused = server.post("create_custom_loss", json=body)
+    assert refused.status_code == 400 and "'os.system' is not allowed" in refused.text
+    assert tc.get_info().model_id  # the server and the session go on
 
 
 def test_the_models_per_key_limit_is_configurable(monkeypatch: pytest.MonkeyPatch, capsys) -> None:

@@ -52,6 +52,7 @@ from safetensors.torch import save as save_safetensors
 
 from flowrl.backends.engines import parking
 from flowrl.backends.engines.algorithms import token_logprobs
+from flowrl.backends.engines.tinker.custom_loss import CustomLoss, run_custom
 from flowrl.backends.engines.tinker.types import (
     DEFAULT_CLIP,
     DEFAULT_DRO_BETA,
@@ -231,29 +232,39 @@ class TinkerModel:
         loss_fn: str,
         config: dict[str, float] | None = None,
         forward_only: bool = False,
+        custom: CustomLoss | None = None,
     ) -> ForwardOutput:
         """Per-datum log-probs and element-wise losses; with ``forward_only`` False the loss's
-        gradients are added to the adapter's (until ``optim_step``)."""
-        check_batch(data, loss_fn, config or {}, self.vocab_size)
+        gradients are added to the adapter's (until ``optim_step``). ``loss_fn`` ``custom``
+        runs ``custom`` (a client's uploaded loss) on each datum: no element-wise loss, its
+        metrics beside ``loss:sum``."""
+        needs = None if custom is None else custom.inputs[1:]
+        check_batch(data, loss_fn, config or {}, self.vocab_size, custom_inputs=needs)
         ids, mask, inputs = self._batch(data)
         context = torch.no_grad() if forward_only else contextlib.nullcontext()
+        metrics: dict[str, float] = {}
         with self.base.use(self), context:
             logits = self.model(input_ids=ids, attention_mask=mask).logits
             logp = token_logprobs(logits, inputs["target_tokens"].long()) * mask
-            elementwise = _elementwise_loss(loss_fn, logp, inputs, config or {}, mask) * mask
-            loss = elementwise.sum()
+            elementwise = None
+            if custom is not None:
+                rows = [len(d.tokens) for d in data]
+                lps = [logp[i, :n] for i, n in enumerate(rows)]
+                values = [[inputs[k][i, :n] for k in custom.inputs[1:]] for i, n in enumerate(rows)]
+                loss, metrics = run_custom(custom, lps, values)
+            else:
+                elementwise = _elementwise_loss(loss_fn, logp, inputs, config or {}, mask) * mask
+                loss = elementwise.sum()
             if not forward_only:
                 loss.backward()
         outputs = []
         for i, datum in enumerate(data):
             n = len(datum.tokens)
-            outputs.append(
-                {
-                    "logprobs": logp[i, :n].detach().cpu().numpy().astype(np.float32),
-                    "elementwise_loss": elementwise[i, :n].detach().cpu().numpy(),
-                }
-            )
-        return ForwardOutput(outputs, {"loss:sum": float(loss.detach())})
+            out = {"logprobs": logp[i, :n].detach().cpu().numpy().astype(np.float32)}
+            if elementwise is not None:
+                out["elementwise_loss"] = elementwise[i, :n].detach().cpu().numpy()
+            outputs.append(out)
+        return ForwardOutput(outputs, {"loss:sum": float(loss.detach()), **metrics})
 
     def _batch(self, data: Sequence[Datum]) -> tuple[torch.Tensor, torch.Tensor, dict]:
         width = max(len(d.tokens) for d in data)

@@ -141,25 +141,38 @@ def check_tokens(tokens: Sequence[int], vocab_size: int, what: str) -> None:
         )
 
 
-def check_batch(
-    data: Sequence[Datum], loss_fn: str, config: dict[str, Any], vocab_size: int
-) -> None:
-    """Refuse, naming what is wrong: an unknown loss or config key, a missing input, a length
-    that differs from the datum's tokens, a token id outside the vocabulary."""
+def _check_loss(loss_fn: str, custom_inputs: Sequence[str] | None) -> None:
+    if loss_fn == "custom" and custom_inputs is None:
+        raise TinkerInputError(
+            "loss function 'custom' runs a loss made with create_custom_loss: send its loss_id"
+        )
     if loss_fn in REFUSED_LOSSES:
         raise TinkerInputError(
             f"loss function {loss_fn!r} is not supported here: {REFUSED_LOSSES[loss_fn]}"
         )
-    if loss_fn not in LOSS_INPUTS:
+    if loss_fn not in LOSS_INPUTS and loss_fn != "custom":
         raise TinkerInputError(
             f"loss function {loss_fn!r} is not supported here (supported: {', '.join(LOSS_INPUTS)})"
         )
-    extra = sorted(set(config) - set(LOSS_CONFIG[loss_fn]))
+
+
+def check_batch(
+    data: Sequence[Datum],
+    loss_fn: str,
+    config: dict[str, Any],
+    vocab_size: int,
+    custom_inputs: Sequence[str] | None = None,
+) -> None:
+    """Refuse, naming what is wrong: an unknown loss or config key, a missing input, a length
+    that differs from the datum's tokens, a token id outside the vocabulary. ``custom`` (a
+    client's uploaded loss) needs the inputs that loss reads (``custom_inputs``)."""
+    _check_loss(loss_fn, custom_inputs)
+    extra = sorted(set(config) - set(LOSS_CONFIG.get(loss_fn, ())))
     if extra:
         raise TinkerInputError(f"loss_fn_config key(s) {extra} are not used by {loss_fn!r}")
     if not data:
         raise TinkerInputError("no data")
-    required, optional = LOSS_INPUTS[loss_fn]
+    required, optional = LOSS_INPUTS.get(loss_fn, (tuple(custom_inputs or ()), ()))
     for i, datum in enumerate(data):
         if not datum.tokens:
             raise TinkerInputError(f"datum {i}: model_input is empty")
@@ -169,7 +182,7 @@ def check_batch(
         if missing:
             raise TinkerInputError(f"datum {i}: {loss_fn!r} needs loss_fn_inputs {missing}")
         unknown = sorted(names - {"target_tokens", *required, *optional})
-        if unknown:
+        if unknown and loss_fn != "custom":  # a custom loss's datum carries what it may not read
             raise TinkerInputError(
                 f"datum {i}: loss_fn_inputs {unknown} are not used by {loss_fn!r}"
             )

@@ -53,13 +53,16 @@ class Pending:
     models: dict[str, dict[str, Any]] = field(default_factory=dict)
     samplers: dict[str, dict[str, Any]] = field(default_factory=dict)
     calls: list[dict[str, Any]] = field(default_factory=list)
+    losses: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """The sessions' uploaded losses (``create_custom_loss``) by loss id."""
     history: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     """Each live model's history (the module docstring), its ``ran`` entries with their
     call's ``verb`` and ``body``."""
 
     def entries(self) -> list[dict[str, Any]]:
         """The journal that holds only this (a history's calls written into its entries)."""
-        out = list(self.sessions.values()) + list(self.models.values())
+        out = list(self.sessions.values()) + list(self.losses.values())
+        out += list(self.models.values())
         out += [e for model_history in self.history.values() for e in model_history]
         return out + list(self.samplers.values()) + self.calls
 
@@ -87,9 +90,12 @@ def pending(entries: list[dict[str, Any]]) -> Pending:
             live.models[e["model_id"]] = {**live.models[e["model_id"]], key: e["generation"]}
         elif op == "sampler":
             live.samplers[e["sampler_id"]] = e
+        elif op == "custom_loss":
+            live.losses[e["loss_id"]] = e
         elif op == "call" and e["rid"] not in done:
             live.calls.append(e)
     live.models = {k: m for k, m in live.models.items() if m["session_id"] in live.sessions}
+    live.losses = {k: x for k, x in live.losses.items() if x["session_id"] in live.sessions}
     live.samplers = {k: s for k, s in live.samplers.items() if s["session_id"] in live.sessions}
     targets = live.models.keys() | live.samplers.keys()
     live.calls = [c for c in live.calls if c["target"] in targets]

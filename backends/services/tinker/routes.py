@@ -207,7 +207,7 @@ def _client_routes(app: FastAPI, service: TinkerService) -> None:
             "parallel_fwdbwd_chunks": False,
             "proto_compress_fwdbwd": False,
             "sample_use_retrieve_futures": False,
-            "custom_loss_server_side": False,
+            "custom_loss_server_side": True,
             "sample_join_sampling_session": False,
         }
 
@@ -293,6 +293,14 @@ def _model_routes(app: FastAPI, service: TinkerService) -> None:
             "lora_rank": model.lora.r,
             "model_name": model.base_model,
         }
+
+    @app.post(f"{API}/create_custom_loss")
+    async def create_custom_loss(request: Request) -> dict:
+        req = _parse(t.CreateCustomLossRequest, await _body(request))
+        ns = request.state.namespace
+        loss_id = await asyncio.to_thread(service.registry.create_custom_loss, ns, req)
+        rid = service.calls.answered_now(ns, {"loss_id": loss_id, "type": "create_custom_loss"})
+        return _future(rid, None)
 
     @app.post(f"{API}/unload_model")
     async def unload_model(request: Request) -> dict:

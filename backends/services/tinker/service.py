@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from flowrl.backends.engines.tinker.custom_loss import compile_loss
 from flowrl.backends.engines.tinker.types import read_tinker_lora
 from flowrl.backends.policy.placement import InProcess, Placement, place
 from flowrl.backends.policy.tinker_handles import ray_cluster_gone
@@ -155,6 +156,9 @@ class TinkerService:
         for e in live.sessions.values():
             session = Session(e["session_id"], e["ns"], e.get("display_name"), e.get("meta") or {})
             self.sessions[session.session_id] = session
+        for e in live.losses.values():
+            loss = compile_loss(e["name"], e["inputs"], e["graph"])
+            self.sessions[e["session_id"]].losses[e["loss_id"]] = loss
         found, lost = 0, []
         starting = {c["target"] for c in live.calls if c["verb"] == "create_model"}
         for e in live.models.values():

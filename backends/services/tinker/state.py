@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from flowrl.backends.engines.tinker.custom_loss import CustomLoss
 from flowrl.backends.policy.tinker_handles import ModelHandle
 from flowrl.backends.types import LoraSettings
 from flowrl.infra.serving import ServiceError, ServingLimits
@@ -40,6 +41,8 @@ class Session:
     models: list[str] = field(default_factory=list)
     samplers: list[str] = field(default_factory=list)
     ended: str | None = None
+    losses: dict[str, CustomLoss] = field(default_factory=dict)
+    """Its clients' uploaded losses (``create_custom_loss``) by loss id."""
 
 
 @dataclass

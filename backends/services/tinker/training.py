@@ -15,6 +15,7 @@ import time
 from collections.abc import Collection
 from typing import Any
 
+from flowrl.backends.engines.tinker.custom_loss import CustomLoss
 from flowrl.backends.engines.tinker.types import adam_step, check_batch, read_tinker_lora
 from flowrl.backends.models.tinker_checkpoints import run_folder
 from flowrl.backends.policy.tinker_handles import ModelHandle, work_for
@@ -46,12 +47,20 @@ class Training:
         """A decoded ``forward_backward`` / ``forward`` call, checked against the model's
         vocabulary when it is up (and by the model again, once it is); (future id, model id)."""
         model = self.registry.model(namespace, call.model_id)
+        custom = self._custom(model, call)
         if model.handle is not None:
-            check_batch(call.data, call.loss_fn, call.config, model.handle.info["vocab_size"])
+            needs = None if custom is None else custom.inputs[1:]
+            vocab = model.handle.info["vocab_size"]
+            check_batch(call.data, call.loss_fn, call.config, vocab, custom_inputs=needs)
 
         def work(handle: ModelHandle) -> bytes:
             out = handle.call(
-                "forward_backward", call.data, call.loss_fn, call.config, call.forward_only
+                "forward_backward",
+                call.data,
+                call.loss_fn,
+                call.config,
+                call.forward_only,
+                custom=custom,
             )
             return write_forward_output(out)
 
@@ -59,6 +68,12 @@ class Training:
             model, "forward_backward", work, history=not call.forward_only
         )
         return future, model.model_id
+
+    def _custom(self, model: Model, call: Any) -> CustomLoss | None:
+        """The uploaded loss a ``custom`` call names (None for the built-in losses)."""
+        if call.loss_fn != "custom":
+            return None
+        return self.registry.custom_loss(model, call.loss_id)
 
     def optim_step(self, namespace: str | None, model_id: Any, adam: dict) -> tuple[str, str]:
         """One AdamW step with checked parameters (``types.adam_step``)."""
@@ -155,7 +170,7 @@ class Training:
             handle = placement.start_model(self.registry.spec(model))
             redone = {}
             for entry in history:
-                out = self._redo(handle, entry)
+                out = self._redo(model, handle, entry)
                 if entry.get("rid") in wanted:
                     redone[entry["rid"]] = out
         except Exception as err:
@@ -173,7 +188,7 @@ class Training:
             f"{time.monotonic() - began:.1f} s"
         )
 
-    def _redo(self, handle: ModelHandle, entry: dict) -> Any:
+    def _redo(self, model: Model, handle: ModelHandle, entry: dict) -> Any:
         """One history entry, run again on a new model (unkeyed: it has none of the answers)."""
         op = entry["op"]
         if op == "loaded":
@@ -187,9 +202,9 @@ class Training:
         raw = base64.b64decode(entry["body"])
         if entry["verb"] == "forward_backward":
             call = read_forward_backward(raw)
-            return handle.call(
-                "forward_backward", call.data, call.loss_fn, call.config, call.forward_only
-            )
+            custom = self._custom(model, call)
+            args = (call.data, call.loss_fn, call.config, call.forward_only)
+            return handle.call("forward_backward", *args, custom=custom)
         from tinker import types as t
 
         params = t.OptimStepRequest.model_validate(json.loads(raw)).optim_params

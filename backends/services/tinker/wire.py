@@ -33,6 +33,8 @@ class ForwardBackwardCall:
     config: dict[str, float]
     forward_only: bool
     data: list[Datum]
+    loss_id: str | None = None
+    """``custom``'s loss: a ``create_custom_loss`` of the model's session."""
 
 
 def decompress(body: bytes, encoding: str | None, limit: int = MAX_DECOMPRESSED_BYTES) -> bytes:
@@ -59,13 +61,18 @@ def read_forward_backward(body: bytes) -> ForwardBackwardCall:
     except (DecodeError, ValueError) as e:
         raise TinkerInputError(f"malformed ForwardBackwardRequest protobuf: {e}") from None
     config: dict[str, float] = {k: float(v) for k, v in msg.loss_fn_config.items()}
+    loss_id = None
     for key, value in msg.loss_fn_config_v2.items():
-        if value.WhichOneof("value") == "text":
+        if value.WhichOneof("value") == "text" and key == "loss_id" and msg.loss_fn == "custom":
+            loss_id = value.text[:200]
+            config.pop(key, None)
+        elif value.WhichOneof("value") == "text":
             raise TinkerInputError(f"loss_fn_config[{key!r}]: text values are not supported")
-        config[key] = float(value.number)
+        else:
+            config[key] = float(value.number)
     data = [_datum(i, d) for i, d in enumerate(msg.data)]
     return ForwardBackwardCall(
-        msg.model_id, msg.seq_id, msg.loss_fn, config, bool(msg.forward_only), data
+        msg.model_id, msg.seq_id, msg.loss_fn, config, bool(msg.forward_only), data, loss_id
     )
 
 
