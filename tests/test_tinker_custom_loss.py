@@ -141,3 +141,14 @@ def test_python_number_arithmetic_that_would_not_end_is_refused() -> None:
     loss = compile_loss("bomb", LP, graph)
     with pytest.raises(TinkerInputError, match="exponent past 64"):
         run_custom(loss, [torch.zeros(3)], [[]])
+
+
+def test_python_values_that_would_grow_without_bound_are_refused() -> None:
+    """``"a" * 10**12`` (a string argument times a number) is refused as it is reached."""
+    graph = _graph(
+        _node("big", "call_function", "operator.mul", "a", 1_000_000_000_000),
+        _node("y", "call_function", "operator.mul", {"ref": "logprobs"}, 2.0),
+    )
+    loss = compile_loss("bomb", LP, graph)
+    with pytest.raises(TinkerInputError, match="numbers or tensors only"):
+        run_custom(loss, [torch.zeros(3)], [[]])

@@ -265,28 +265,29 @@ def _call(node: Mapping[str, Any], args: list[Any], kwargs: dict[str, Any]) -> A
         return getattr(this, target)(*rest, **kwargs)
     if target == "builtins.getattr":
         return getattr(args[0], args[1])  # one of _ATTRIBUTES (checked)
-    if not any(isinstance(a, torch.Tensor) for a in [*args, *kwargs.values()]):
+    plain = not any(isinstance(a, torch.Tensor) for a in [*args, *kwargs.values()])
+    if plain and target.startswith(("operator.", "math.")):
         _bounded(node, target, args)
     return _FUNCTIONS[target](*args, **kwargs)
 
 
 def _bounded(node: Mapping[str, Any], target: str, args: list[Any]) -> None:
-    """Python numbers only: refuse a power that would not fit a machine number."""
+    """An ``operator`` or ``math`` call on Python values only: on numbers that fit a machine
+    word (or indexing a shape), never a power with a huge exponent, never on strings or lists
+    (``"a" * 10**12`` would take the machine)."""
+    where = f"node {node['name'][:64]!r}"
+    if target == "operator.getitem" and args and isinstance(args[0], tuple):
+        return  # a shape's entry
+    if not all(isinstance(a, (bool, int, float)) for a in args):
+        kinds = ", ".join(type(a).__name__ for a in args)
+        raise TinkerInputError(f"{where}: {target} of ({kinds}): numbers or tensors only")
+    if any(isinstance(a, int) and abs(a) > 2**63 for a in args):
+        raise TinkerInputError(f"{where}: {target} of a number past 2**63")
     if target == "operator.pow" and len(args) == 2:
         base, exponent = args
-        if (
-            isinstance(exponent, (int, float))
-            and abs(exponent) > MAX_EXPONENT
-            and base
-            not in (
-                0,
-                1,
-                -1,
-            )
-        ):
+        if abs(exponent) > MAX_EXPONENT and base not in (0, 1, -1):
             raise TinkerInputError(
-                f"node {node['name'][:64]!r}: a power of Python numbers with an exponent past "
-                f"{MAX_EXPONENT}"
+                f"{where}: a power of Python numbers with an exponent past {MAX_EXPONENT}"
             )
 
 
