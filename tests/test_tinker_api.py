@@ -744,3 +744,51 @@ def test_the_models_per_key_limit_is_configurable(monkeypatch: pytest.MonkeyPatc
     with pytest.raises(SystemExit):
         parse_args(["--max-models-per-key", "0"])
     assert "0 is not at least 1" in capsys.readouterr().err
+
+
+def test_prompt_scoring_matches_a_full_softmax(server: Server, home: Path, tokenizer) -> None:
+    """``topk_prompt_logprobs``, ``target_prompt_logprobs`` and ``prompt_logprobs_last_n`` on a
+    base-model sampler equal a full softmax over the vocabulary of the same model, loaded here
+    with ``transformers``; out-of-range asks are 400s."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ids = tokenizer.encode("12+7=19 and 3+4=7")
+    sampler = server.client().create_sampling_client(base_model=BASE)
+    targets = np.array([[ids[i + 1], 3, -1] for i in range(len(ids) - 1)], dtype=np.int64)
+    out = sampler.sample(
+        types.ModelInput.from_ints(ids),
+        1,
+        types.SamplingParams(max_tokens=1, temperature=0.0),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=4,
+        target_prompt_logprobs=types.TensorData.from_numpy(targets),
+        prompt_logprobs_last_n=5,
+    ).result()
+    model = AutoModelForCausalLM.from_pretrained(base_folder("tiny", str(home / "model-cache")))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    full = torch.log_softmax(logits, dim=-1).numpy()  # row i: position i + 1
+    first = len(ids) - 5
+    lps = out.prompt_logprobs
+    assert lps[:first] == [None] * first
+    expected = [full[i - 1, ids[i]] for i in range(first, len(ids))]
+    assert np.allclose(lps[first:], expected, atol=1e-4)
+    topk = out.topk_prompt_logprobs
+    assert topk[:first] == [None] * first
+    for i in range(first, len(ids)):
+        best = np.argsort(-full[i - 1])[:4]
+        assert [t for t, _ in topk[i]] == best.tolist()
+        assert np.allclose([v for _, v in topk[i]], full[i - 1, best], atol=1e-4)
+    got = out.target_prompt_logprobs.to_numpy().reshape(targets.shape)
+    want = np.where(targets < 0, 0.0, np.take_along_axis(full, np.maximum(targets, 0), axis=1))
+    assert np.allclose(got, want, atol=1e-4)
+    prompt = types.ModelInput.from_ints(ids)
+    params = types.SamplingParams(max_tokens=1)
+    for bad, word in (
+        ({"topk_prompt_logprobs": 65}, "topk_prompt_logprobs must be 0..64"),
+        ({"include_prompt_logprobs": True, "prompt_logprobs_last_n": len(ids)}, "last_n"),
+        ({"topk_sample_logprobs": 2}, "topk_sample_logprobs"),
+    ):
+        with pytest.raises(tinker.BadRequestError, match=word):
+            sampler.sample(prompt, 1, params, **bad).result()

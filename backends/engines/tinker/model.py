@@ -56,8 +56,10 @@ from flowrl.backends.engines.tinker.custom_loss import CustomLoss, run_custom
 from flowrl.backends.engines.tinker.types import (
     DEFAULT_CLIP,
     DEFAULT_DRO_BETA,
+    MASK_LOGPROB,
     Datum,
     ForwardOutput,
+    PromptScoring,
     SampledSequence,
     SampleOutput,
     SampleParams,
@@ -346,10 +348,17 @@ class TinkerModel:
         num_samples: int,
         params: SampleParams,
         weights: str | None,
-        prompt_logprobs: bool = False,
+        prompt_logprobs: bool | PromptScoring = False,
     ) -> SampleOutput:
         """``num_samples`` completions of ``prompt`` with the snapshot ``weights`` ("live": the
-        adapter now; None: the base model alone)."""
+        adapter now; None: the base model alone), and what ``prompt_logprobs`` asks of the
+        prompt (True: each token's log-prob)."""
+        scoring = prompt_logprobs
+        if not isinstance(scoring, PromptScoring):
+            scoring = PromptScoring(logprobs=bool(scoring))
+        if scoring.targets is not None:
+            wanted = scoring.targets[scoring.targets != -1]
+            check_tokens(wanted.tolist(), self.vocab_size, "target_prompt_logprobs")
         check_tokens(prompt, self.vocab_size, "prompt")
         if not prompt:
             raise TinkerInputError("prompt is empty")
@@ -363,7 +372,7 @@ class TinkerModel:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         with self.base.use(self), self._weights(weights):
-            return _generate(self, prompt, num_samples, params, generator, prompt_logprobs)
+            return _generate(self, prompt, num_samples, params, generator, scoring)
 
     @contextlib.contextmanager
     def _weights(self, key: str | None) -> Iterator[None]:
@@ -435,17 +444,14 @@ def _generate(
     n: int,
     params: SampleParams,
     generator: torch.Generator,
-    want_prompt_logprobs: bool,
+    scoring: PromptScoring,
 ) -> SampleOutput:
     """``n`` samples of ``prompt`` from ``tinker``'s model under its current weights, each
     stopping at a stop token or string, end of sequence, or ``params.max_tokens``."""
     ids = torch.tensor([prompt] * n, dtype=torch.long, device=tinker.device)
     out = tinker.model(input_ids=ids, use_cache=True)
     past = out.past_key_values
-    prompt_lp = None
-    if want_prompt_logprobs:
-        row = token_logprobs(out.logits[:1, :-1], ids[:1, 1:])[0].tolist()
-        prompt_lp = [math.nan, *row]
+    scored = _score_prompt(out.logits[0, :-1].float(), prompt, scoring)
     logits = out.logits[:, -1, :].float()
     stops = set(params.stop_tokens) | set(tinker.eos_ids)  # end of sequence always stops
     tokens: list[list[int]] = [[] for _ in range(n)]
@@ -468,7 +474,38 @@ def _generate(
         out = tinker.model(input_ids=nxt.view(n, 1), past_key_values=past, use_cache=True)
         past, logits = out.past_key_values, out.logits[:, -1, :].float()
     sequences = [SampledSequence(tokens[i], logps[i], reasons[i]) for i in range(n)]
-    return SampleOutput(sequences, prompt_lp)
+    return SampleOutput(sequences, *scored)
+
+
+def _score_prompt(
+    logits: torch.Tensor, prompt: list[int], scoring: PromptScoring
+) -> tuple[list[float] | None, tuple[np.ndarray, np.ndarray] | None, np.ndarray | None]:
+    """What ``scoring`` asks of the prompt, from its logits (row ``i`` predicts position
+    ``i + 1``): its log-probs (NaN where not scored), the top k at each position, and the
+    log-probs of the target ids."""
+    if not scoring.wanted:
+        return None, None, None
+    logp = torch.log_softmax(logits, dim=-1)  # [P - 1, V]
+    first = len(prompt) - scoring.last_n if scoring.last_n else 1  # the first position scored
+    prompt_lp = None
+    if scoring.logprobs:
+        rows = logp.gather(1, torch.tensor(prompt[1:], device=logp.device)[:, None])[:, 0]
+        prompt_lp = [math.nan] * first + rows[first - 1 :].tolist()
+    topk = None
+    if scoring.topk:
+        k = min(scoring.topk, logp.shape[-1])
+        ids = np.zeros((len(prompt), scoring.topk), np.int32)
+        lps = np.full((len(prompt), scoring.topk), MASK_LOGPROB, np.float32)
+        best = torch.topk(logp[first - 1 :], k, dim=-1)
+        ids[first:, :k] = best.indices.cpu().numpy()
+        lps[first:, :k] = best.values.cpu().numpy()
+        topk = (ids, lps)
+    targets = None
+    if scoring.targets is not None:
+        wanted = torch.from_numpy(np.where(scoring.targets < 0, 0, scoring.targets))
+        picked = logp.gather(1, wanted.to(logp.device)).cpu().numpy()
+        targets = np.where(scoring.targets < 0, 0.0, picked).astype(np.float32)
+    return prompt_lp, topk, targets
 
 
 def _hit_stop_string(tokenizer: Any, tokens: list[int], stop_strings: tuple[str, ...]) -> bool:

@@ -121,7 +121,35 @@ class SampleParams:
 @dataclass
 class SampleOutput:
     sequences: list[SampledSequence]
-    prompt_logprobs: list[float] | None = None  # NaN at position 0
+    prompt_logprobs: list[float] | None = None  # NaN at position 0 (and before the last n)
+    topk_prompt: tuple[np.ndarray, np.ndarray] | None = None
+    """(token ids int32, log-probs float32), each ``[len(prompt), k]``; empty rows (position 0,
+    positions before the last n) hold token 0 and ``MASK_LOGPROB``."""
+    target_prompt: np.ndarray | None = None
+    """float32 ``[len(prompt) - 1, K]``: the log-probs of ``PromptScoring.targets``' ids."""
+
+
+MASK_LOGPROB = -99999.0
+MAX_TOPK = 64
+"""The most top log-probs (and target ids) per prompt position a request may ask for."""
+
+
+@dataclass(frozen=True)
+class PromptScoring:
+    """What a sample request asks of its prompt (log-probs of the model's distribution before
+    sampling settings): each token's log-prob, the ``topk`` most likely tokens at each
+    position, the log-probs of chosen ids (``targets``: ``[len(prompt) - 1, K]``, cell
+    ``[i, j]`` scored at position ``i + 1``, -1 asks nothing), and only the last ``last_n``
+    positions."""
+
+    logprobs: bool = False
+    topk: int = 0
+    last_n: int | None = None
+    targets: np.ndarray | None = None
+
+    @property
+    def wanted(self) -> bool:
+        return self.logprobs or self.topk > 0 or self.targets is not None
 
 
 @dataclass
@@ -291,16 +319,15 @@ def prompt_tokens(prompt: Any) -> list[int]:
 
 
 UNSUPPORTED_SAMPLE_OPTIONS = (
-    "topk_prompt_logprobs",
     "topk_sample_logprobs",
-    "target_prompt_logprobs",
     "prompt_alt_tokens_k",
-    "prompt_logprobs_last_n",
+    "record_stability_info",
 )
 
 
-def check_sample_request(req: Any, max_samples: int) -> list[int]:
-    """An ``asample`` request's options this server serves; its prompt tokens."""
+def check_sample_request(req: Any, max_samples: int) -> tuple[list[int], PromptScoring]:
+    """An ``asample`` request's options this server serves; its prompt tokens and what it asks
+    of them."""
     unsupported = [name for name in UNSUPPORTED_SAMPLE_OPTIONS if getattr(req, name, None)]
     if unsupported:
         raise TinkerInputError(f"not supported here: {', '.join(unsupported)}")
@@ -309,4 +336,40 @@ def check_sample_request(req: Any, max_samples: int) -> list[int]:
     prompt = prompt_tokens(req.prompt)
     if not prompt:
         raise TinkerInputError("the prompt is empty")
-    return prompt
+    return prompt, prompt_scoring(req, len(prompt))
+
+
+def prompt_scoring(req: Any, length: int) -> PromptScoring:
+    """A sample request's ``prompt_logprobs``, ``topk_prompt_logprobs``,
+    ``target_prompt_logprobs`` and ``prompt_logprobs_last_n``, checked."""
+    topk = int(req.topk_prompt_logprobs or 0)
+    if not 0 <= topk <= MAX_TOPK:
+        raise TinkerInputError(f"topk_prompt_logprobs must be 0..{MAX_TOPK}, got {topk}")
+    targets = None
+    if req.target_prompt_logprobs is not None:
+        targets = _targets(req.target_prompt_logprobs, length)
+    last_n = req.prompt_logprobs_last_n
+    if last_n is not None:
+        if not req.prompt_logprobs:
+            raise TinkerInputError("prompt_logprobs_last_n needs prompt_logprobs")
+        if not 1 <= last_n <= length - 1:
+            raise TinkerInputError(
+                f"prompt_logprobs_last_n must be 1..{length - 1} (the prompt's length - 1), "
+                f"got {last_n}"
+            )
+    return PromptScoring(bool(req.prompt_logprobs), topk, last_n, targets)
+
+
+def _targets(tensor: Any, length: int) -> np.ndarray:
+    if tensor.sparse_crow_indices is not None or tensor.sparse_col_indices is not None:
+        raise TinkerInputError("target_prompt_logprobs: sparse CSR is not supported here (dense)")
+    shape = tensor.shape or [len(tensor.data)]
+    if len(shape) != 2 or shape[0] != length - 1 or not 1 <= shape[1] <= MAX_TOPK:
+        raise TinkerInputError(
+            f"target_prompt_logprobs has shape {shape}; it must be [{length - 1}, K] "
+            f"(the prompt's length - 1, K of 1..{MAX_TOPK})"
+        )
+    ids = np.asarray(tensor.data, dtype=np.int64)
+    if ids.size != shape[0] * shape[1]:
+        raise TinkerInputError(f"target_prompt_logprobs: {ids.size} values for shape {shape}")
+    return ids.reshape(shape)

@@ -151,14 +151,12 @@ def asample_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
         raise ServiceError(
             400, "asample needs a sampling_session_id (create a sampling client first)"
         )
-    prompt = check_sample_request(req, service.limits.max_samples)
+    prompt, scoring = check_sample_request(req, service.limits.max_samples)
     params = sample_params(req.sampling_params)
     n = req.num_samples
 
     def answer() -> dict:
-        rid = service.sampling.sample(
-            ns, req.sampling_session_id, prompt, n, params, bool(req.prompt_logprobs)
-        )
+        rid = service.sampling.sample(ns, req.sampling_session_id, prompt, n, params, scoring)
         return _future(rid, None, sample_sequence_ids=[f"{rid}:{i}" for i in range(n)])
 
     return service.calls.journaled(ns, "asample", req.sampling_session_id, req.seq_id, raw, answer)

@@ -9,6 +9,7 @@ import secrets
 from typing import Any
 
 from flowrl.backends.engines.tinker.types import (
+    PromptScoring,
     SampleParams,
     check_fits,
     read_tinker_lora,
@@ -219,11 +220,20 @@ class Sampling:
         prompt: list[int],
         n: int,
         params: SampleParams,
-        prompt_logprobs: bool,
+        scoring: PromptScoring,
     ) -> str:
-        """Queue ``n`` samples of ``prompt`` on the sampler's model; the future's id (the
-        caller's, also when the model is a shared pool model)."""
+        """Queue ``n`` samples of ``prompt`` on the sampler's model, with what ``scoring``
+        asks of the prompt; the future's id (the caller's, also when the model is a shared pool
+        model)."""
         sampler = self.sampler(namespace, sampler_id)
+        beyond = scoring.topk or scoring.targets is not None or scoring.last_n
+        if self.engine_samples and beyond:
+            raise ServiceError(
+                400,
+                "topk_prompt_logprobs, target_prompt_logprobs and prompt_logprobs_last_n are "
+                "served by the hf sampler, not by --sampler-engine vllm",
+            )
+        prompt_logprobs = scoring if beyond else scoring.logprobs
         target = self.target(sampler)
         if target.handle is not None:  # else checked on the model's worker, once it is up
             check_fits(prompt, params, target.handle.info)

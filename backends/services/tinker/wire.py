@@ -138,4 +138,18 @@ def write_sample_response(out: SampleOutput) -> bytes:
         s.logprobs = np.asarray(seq.logprobs, dtype=np.float32).tobytes()
     if out.prompt_logprobs is not None:
         msg.prompt_logprobs = np.asarray(out.prompt_logprobs, dtype=np.float32).tobytes()
+    if out.topk_prompt is not None:
+        ids, lps = out.topk_prompt
+        msg.topk_prompt_logprobs.token_ids = np.ascontiguousarray(ids, np.int32).tobytes()
+        msg.topk_prompt_logprobs.logprobs = np.ascontiguousarray(lps, np.float32).tobytes()
+        msg.topk_prompt_logprobs.length, msg.topk_prompt_logprobs.k = ids.shape
+    if out.target_prompt is not None:
+        _write_tensor(msg.target_prompt_logprobs, out.target_prompt)
     return msg.SerializeToString()
+
+
+def _write_tensor(msg: pb.Tensor, values: np.ndarray) -> None:
+    """A dense float32 ``Tensor`` message of ``values``."""
+    msg.dense = np.ascontiguousarray(values, np.float32).tobytes()
+    msg.dtype = pb.DTYPE_FLOAT32
+    msg.shape.extend(int(n) for n in values.shape)
