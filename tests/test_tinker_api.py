@@ -792,3 +792,30 @@ def test_prompt_scoring_matches_a_full_softmax(server: Server, home: Path, token
     ):
         with pytest.raises(tinker.BadRequestError, match=word):
             sampler.sample(prompt, 1, params, **bad).result()
+
+
+def test_top_k_distillation_targets_through_the_sdk(server: Server, tokenizer) -> None:
+    """``cross_entropy`` on ``(n, K)`` targets and weights (a teacher's top k, as the
+    cookbook's distillation sends them): the log-probs come back ``(n, K)``, each column that
+    of the 1-D loss on it, and training on them raises the weighted targets' log-probs."""
+    ids = tokenizer.encode("12+7=19")
+    n = len(ids) - 1
+    targets = np.stack([ids[1:], [5] * n], axis=1).astype(np.int64)
+    weights = np.tile(np.array([[0.8, 0.2]], np.float32), (n, 1))
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(ids[:-1]),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData.from_numpy(targets),
+            "weights": types.TensorData.from_numpy(weights),
+        },
+    )
+    tc = server.client().create_lora_training_client(BASE, rank=4, seed=3).result()
+    first = tc.forward([datum], "cross_entropy").result()
+    lps = first.loss_fn_outputs[0]["logprobs"].to_numpy().reshape(n, 2)
+    column = tc.forward(_datums(tokenizer, ["12+7=19"]), "cross_entropy").result()
+    assert np.allclose(lps[:, 0], column.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-5)
+    for _ in range(3):
+        tc.forward_backward([datum], "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = tc.forward([datum], "cross_entropy").result().metrics["loss:sum"]
+    assert after < first.metrics["loss:sum"]

@@ -136,3 +136,39 @@ def test_stable_reinforce_is_refused_naming_why(base_dir: str) -> None:
         model.forward_backward(_data(0.0), "stable_reinforce", {})
     with pytest.raises(TinkerInputError, match=r"\['gamma'\] are not used by 'dro'"):
         model.forward_backward(_data(0.0), "dro", {"gamma": 1.0})
+
+
+def test_top_k_cross_entropy_is_k_weighted_cross_entropies(base_dir: str) -> None:
+    """2-D ``(n, K)`` targets and weights (distillation onto a teacher's top k): each
+    position's K log-probs are those of the 1-D loss on each column, the loss is
+    ``-sum w * logp``, and the gradient is that of the K weighted 1-D losses together."""
+    model, twin = _model(base_dir, "m"), _model(base_dir, "twin")
+    rng = np.random.default_rng(1)
+    data, columns = [], []
+    for n in (6, 9):
+        tokens = rng.integers(5, 60, size=n).tolist()
+        targets = rng.integers(5, 60, size=(n, 3))
+        weights = rng.dirichlet(np.ones(3), size=n).astype(np.float32)
+        data.append(Datum(tokens, {"target_tokens": targets, "weights": weights}))
+        columns.append([(targets[:, k], weights[:, k]) for k in range(3)])
+    out = model.forward_backward(data, "cross_entropy")
+    total = 0.0
+    for k in range(3):
+        column = [
+            Datum(d.tokens, {"target_tokens": c[k][0], "weights": c[k][1]})
+            for d, c in zip(data, columns, strict=True)
+        ]
+        one = twin.forward_backward(column, "cross_entropy")
+        total += one.metrics["loss:sum"]
+        for o, c in zip(out.outputs, one.outputs, strict=True):
+            assert np.allclose(o["logprobs"][:, k], c["logprobs"], atol=1e-6)
+    assert out.outputs[0]["logprobs"].shape == (6, 3)
+    assert np.isclose(out.metrics["loss:sum"], total, rtol=1e-6)
+    got, want = _grads(model), _grads(twin)
+    assert torch.max(torch.abs(got - want)) <= 1e-6 * torch.max(torch.abs(want)) + 1e-9
+    mixed = [data[0], Datum(data[1].tokens, {"target_tokens": columns[1][0][0]})]
+    with pytest.raises(TinkerInputError, match="mix 1-D and 2-D"):
+        model.forward_backward(mixed, "cross_entropy")
+    with pytest.raises(TinkerInputError, match="are for cross_entropy"):
+        rl = {**data[0].inputs, "logprobs": np.zeros(6), "advantages": np.ones(6)}
+        model.forward_backward([Datum(data[0].tokens, rl)], "ppo")

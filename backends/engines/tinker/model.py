@@ -245,9 +245,16 @@ class TinkerModel:
         ids, mask, inputs = self._batch(data)
         context = torch.no_grad() if forward_only else contextlib.nullcontext()
         metrics: dict[str, float] = {}
+        targets = inputs["target_tokens"].long()
+        attention = mask
+        if targets.ndim == 3:  # (top-k) distillation targets: K per position
+            mask = mask[..., None].expand_as(targets).contiguous()
         with self.base.use(self), context:
-            logits = self.model(input_ids=ids, attention_mask=mask).logits
-            logp = token_logprobs(logits, inputs["target_tokens"].long()) * mask
+            logits = self.model(input_ids=ids, attention_mask=attention).logits
+            if targets.ndim == 3:
+                logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets) * mask
+            else:
+                logp = token_logprobs(logits, targets) * mask
             elementwise = None
             if custom is not None:
                 rows = [len(d.tokens) for d in data]
@@ -272,9 +279,12 @@ class TinkerModel:
         width = max(len(d.tokens) for d in data)
         ids = torch.zeros((len(data), width), dtype=torch.long)
         mask = torch.zeros((len(data), width), dtype=torch.float32)
-        names = {k for d in data for k in d.inputs}
-        inputs = {k: torch.zeros((len(data), width), dtype=torch.float32) for k in names}
-        inputs["target_tokens"] = torch.zeros((len(data), width), dtype=torch.long)
+        trailing = {k: v.shape[1:] for d in data for k, v in d.inputs.items()}
+        inputs = {
+            k: torch.zeros((len(data), width, *rest), dtype=torch.float32)
+            for k, rest in trailing.items()
+        }
+        inputs["target_tokens"] = inputs["target_tokens"].long()
         for i, d in enumerate(data):
             n = len(d.tokens)
             ids[i, :n] = torch.tensor(d.tokens, dtype=torch.long)

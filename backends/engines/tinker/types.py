@@ -169,6 +169,32 @@ def check_tokens(tokens: Sequence[int], vocab_size: int, what: str) -> None:
         )
 
 
+TOPK_INPUTS = ("target_tokens", "weights")
+"""``cross_entropy``'s inputs that may be 2-D, ``(n, K)``: top-k distillation."""
+
+
+def _topk_width(i: int, datum: Datum, loss_fn: str) -> int | None:
+    """K of a datum's 2-D (top-k) targets, None for 1-D; a 400 for a shape that does not fit
+    (2-D only for ``cross_entropy``'s targets and weights, the same ``(n, K)``)."""
+    targets = datum.inputs.get("target_tokens")
+    if targets is None or targets.ndim != 2:
+        return None
+    n, k = targets.shape
+    if loss_fn != "cross_entropy":
+        raise TinkerInputError(f"datum {i}: 2-D (top-k) target_tokens are for cross_entropy")
+    if n != len(datum.tokens) or not 1 <= k <= MAX_TOPK:
+        raise TinkerInputError(
+            f"datum {i}: target_tokens has shape {[n, k]}; 2-D targets are "
+            f"[{len(datum.tokens)}, K] with K of 1..{MAX_TOPK}"
+        )
+    weights = datum.inputs.get("weights")
+    if weights is not None and weights.shape != targets.shape:
+        raise TinkerInputError(
+            f"datum {i}: weights has shape {list(weights.shape)}, target_tokens {[n, k]}"
+        )
+    return k
+
+
 def _check_loss(loss_fn: str, custom_inputs: Sequence[str] | None) -> None:
     if loss_fn == "custom" and custom_inputs is None:
         raise TinkerInputError(
@@ -201,6 +227,11 @@ def check_batch(
     if not data:
         raise TinkerInputError("no data")
     required, optional = LOSS_INPUTS.get(loss_fn, (tuple(custom_inputs or ()), ()))
+    widths = {_topk_width(i, d, loss_fn) for i, d in enumerate(data)}
+    if len(widths) > 1:
+        raise TinkerInputError(
+            "the data mix 1-D and 2-D (top-k) targets, or 2-D targets of different K"
+        )
     for i, datum in enumerate(data):
         if not datum.tokens:
             raise TinkerInputError(f"datum {i}: model_input is empty")
@@ -215,7 +246,9 @@ def check_batch(
                 f"datum {i}: loss_fn_inputs {unknown} are not used by {loss_fn!r}"
             )
         for name, values in datum.inputs.items():
-            if values.ndim != 1 or len(values) != len(datum.tokens):
+            if values.ndim == 2 and name in TOPK_INPUTS and loss_fn == "cross_entropy":
+                pass  # (n, K): checked by _topk_width
+            elif values.ndim != 1 or len(values) != len(datum.tokens):
                 raise TinkerInputError(
                     f"datum {i}: loss_fn_inputs[{name!r}] has shape {list(values.shape)}, the "
                     f"model_input has {len(datum.tokens)} tokens"
@@ -223,7 +256,7 @@ def check_batch(
             if name != "target_tokens" and not np.all(np.isfinite(values)):
                 raise TinkerInputError(f"datum {i}: loss_fn_inputs[{name!r}] is not finite")
         check_tokens(
-            datum.inputs["target_tokens"].tolist(), vocab_size, f"datum {i}: target_tokens"
+            datum.inputs["target_tokens"].ravel().tolist(), vocab_size, f"datum {i}: target_tokens"
         )
 
 

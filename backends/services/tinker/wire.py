@@ -123,6 +123,7 @@ def write_forward_output(out: ForwardOutput) -> bytes:
         arrays = [np.asarray(o[name], dtype=np.float32) for o in out.outputs]
         offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype(np.int64)
         field = record.fields[name]
+        field.trailing_shape.extend(int(n) for n in arrays[0].shape[1:])  # (n, K): [K]
         field.dtype = pb.DTYPE_FLOAT32
         field.data = b"".join(a.tobytes() for a in arrays)
         field.offsets = offsets.tobytes()
