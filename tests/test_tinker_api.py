@@ -819,3 +819,66 @@ def test_top_k_distillation_targets_through_the_sdk(server: Server, tokenizer) -
         tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
     after = tc.forward([datum], "cross_entropy").result().metrics["loss:sum"]
     assert after < first.metrics["loss:sum"]
+
+
+def test_checkpoint_ttls_and_publishing(server: Server) -> None:
+    """A checkpoint saved with ``ttl_seconds`` lists when it expires (a TTL outside 1 hour to
+    10 years is a 400); a name taken is a 409 unless ``overwrite``; ``set_checkpoint_ttl`` moves
+    it; once past, the checkpoint is gone:
+    not listed, its files deleted, a load of it a 404 saying it expired. A published
+    checkpoint is one another key may sample; unpublished, it is private again."""
+    from datetime import UTC, datetime, timedelta
+
+    rest = server.client().create_rest_client()
+    tc = server.client().create_lora_training_client(BASE, rank=2, seed=4).result()
+    run_id = tc.get_info().model_id
+    path = tc.save_weights_for_sampler("kept", ttl_seconds=7200).result().path
+    (listed,) = [
+        c for c in rest.list_checkpoints(run_id).result().checkpoints if c.tinker_path == path
+    ]
+    left = (listed.expires_at - datetime.now(UTC)).total_seconds()
+    assert 7100 < left <= 7200 and listed.public is False
+    with pytest.raises(tinker.BadRequestError, match="ttl_seconds must be 3600"):
+        tc.save_state("short", ttl_seconds=10).result()
+    first = tc.save_state("state").result().path
+    with pytest.raises(tinker.ConflictError, match="overwrite=True replaces it"):
+        tc.save_state("state").result()
+    assert tc.save_state("state", overwrite=True).result().path == first
+    rest.delete_checkpoint_from_tinker_path(first).result()
+    rest.set_checkpoint_ttl_from_tinker_path(path, 3600).result()
+    (listed,) = [
+        c for c in rest.list_checkpoints(run_id).result().checkpoints if c.tinker_path == path
+    ]
+    assert (listed.expires_at - datetime.now(UTC)).total_seconds() <= 3600
+
+    bob = server.client(BOB)
+    with pytest.raises(tinker.NotFoundError):
+        bob.create_sampling_client(model_path=path).sample(
+            types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2)
+        ).result()
+    rest.publish_checkpoint_from_tinker_path(path).result()
+    assert [c.public for c in rest.list_checkpoints(run_id).result().checkpoints] == [True]
+    out = (
+        bob.create_sampling_client(model_path=path)
+        .sample(types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2))
+        .result()
+    )
+    assert len(out.sequences[0].tokens) >= 1
+    rest.unpublish_checkpoint_from_tinker_path(path).result()
+    with pytest.raises(tinker.NotFoundError):
+        bob.create_sampling_client(model_path=path).sample(
+            types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2)
+        ).result()
+
+    storage = server.service.storage
+    _, _, folder = server.service.checkpoints.parse_path("alice", path)
+    record = storage.read_json(f"{folder}/checkpoint.json")  # as if the hour had passed
+    record["expires_at"] = (datetime.now(UTC) - timedelta(seconds=1)).isoformat()
+    storage.write_json(f"{folder}/checkpoint.json", record)
+    assert server.service.checkpoints.sweep() == 1
+    assert not storage.exists(folder)
+    assert rest.list_checkpoints(run_id).result().checkpoints == []
+    with pytest.raises(tinker.NotFoundError):
+        server.client().create_sampling_client(model_path=path).sample(
+            types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2)
+        ).result()

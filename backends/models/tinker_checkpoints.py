@@ -39,9 +39,17 @@ def run_folder(namespace: str | None, run_id: str) -> str:
     return f"{tinker_prefix(namespace)}/{match[1]}-train-{match[2]}"
 
 
-def checkpoint_folder(storage: Storage, namespace: str | None, path: Any) -> tuple[str, str, str]:
+def public_entry(run_id: str, kind: str, name: str) -> str:
+    """Where the index of published checkpoints names a public checkpoint's owner."""
+    return f"tinker/public/{run_id}/{kind}/{name}.json"
+
+
+def checkpoint_folder(
+    storage: Storage, namespace: str | None, path: Any, public: bool = False
+) -> tuple[str, str, str]:
     """``tinker://<run>/<kind>/<name>`` → (run id, kind, storage folder). The run must be
-    ``namespace``'s and the checkpoint must exist (``ServiceError`` 400 / 404 naming it)."""
+    ``namespace``'s (or, with ``public``, a published checkpoint of another's) and the
+    checkpoint must exist (``ServiceError`` 400 / 404 naming it)."""
     if not isinstance(path, str) or not path.startswith("tinker://"):
         raise ServiceError(400, f"not a tinker:// path: {str(path)[:120]!r}")
     parts = path[len("tinker://") :].split("/")
@@ -51,6 +59,11 @@ def checkpoint_folder(storage: Storage, namespace: str | None, path: Any) -> tup
         )
     run_id, kind, name = parts
     folder = f"{run_folder(namespace, run_id)}/{kind}/{name}"
+    if public and not storage.exists(f"{folder}/checkpoint.json"):
+        entry = public_entry(run_id, kind, name)
+        if storage.exists(entry):
+            owner = storage.read_json(entry).get("namespace")
+            folder = f"{run_folder(owner, run_id)}/{kind}/{name}"
     if not storage.exists(f"{folder}/checkpoint.json"):
         raise not_found(f"no checkpoint {path!r}")
     return run_id, kind, folder

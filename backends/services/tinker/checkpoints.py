@@ -4,7 +4,9 @@ deleted. Where each lives is ``backends.models.tinker_checkpoints``'s."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from flowrl.backends.engines.tinker.types import tinker_lora_config
@@ -13,6 +15,7 @@ from flowrl.backends.models.tinker_checkpoints import (
     NAME_PATTERN,
     checkpoint_folder,
     not_found,
+    public_entry,
     run_folder,
     tinker_prefix,
 )
@@ -31,17 +34,55 @@ class Checkpoints:
         self.storage = storage
         self.registry = registry
 
-    def parse_path(self, namespace: str | None, path: Any) -> tuple[str, str, str]:
-        """(run id, kind, storage folder) of the caller's checkpoint at ``path``."""
-        return checkpoint_folder(self.storage, namespace, path)
+    def parse_path(
+        self, namespace: str | None, path: Any, public: bool = False
+    ) -> tuple[str, str, str]:
+        """(run id, kind, storage folder) of the caller's checkpoint at ``path`` (with
+        ``public``, also of another key's published one); an expired one is deleted and not
+        found."""
+        run_id, kind, folder = checkpoint_folder(self.storage, namespace, path, public)
+        self._live(self.storage.read_json(f"{folder}/checkpoint.json"), folder)
+        return run_id, kind, folder
 
-    def save(self, model: Model, kind: str, name: str | None, optimizer: bool, meta: dict) -> str:
-        """Queue a save of ``model`` as ``kind`` (weights | sampler_weights) named ``name``."""
+    def _live(self, record: dict, folder: str) -> dict:
+        """``record``, unless its TTL has passed: then its checkpoint is deleted (404)."""
+        expires = record.get("expires_at")
+        if expires and datetime.fromisoformat(expires) <= datetime.now(UTC):
+            self._remove(record, folder)
+            raise not_found(f"checkpoint {record.get('tinker_path')!r} expired at {expires}")
+        return record
+
+    def _remove(self, record: dict, folder: str) -> None:
+        run_id, kind, name = record["tinker_path"][len("tinker://") :].split("/")
+        self.storage.delete(public_entry(run_id, kind, name))
+        self.storage.delete(folder)
+
+    def save(
+        self,
+        model: Model,
+        kind: str,
+        name: str | None,
+        optimizer: bool,
+        meta: dict,
+        ttl_seconds: int | None = None,
+        overwrite: bool = True,
+    ) -> str:
+        """Queue a save of ``model`` as ``kind`` (weights | sampler_weights) named ``name``,
+        expiring after ``ttl_seconds`` (None: never); without ``overwrite`` a name taken is a
+        409 (a replay of the journal's own save is not refused)."""
+        expires_at = _expiry(ttl_seconds)
         if name is None:
             name = f"{'state' if kind == 'weights' else 'sampler'}-{secrets.token_hex(4)}"
         if not NAME_PATTERN.match(name):
             raise ServiceError(400, f"bad checkpoint name {name[:80]!r} (letters, digits, . _ -)")
         folder = f"{run_folder(model.namespace, model.model_id)}/{kind}/{name}"
+        replaying = getattr(self.registry.calls.replaying, "replay", None) is not None
+        if not overwrite and not replaying and self.storage.exists(f"{folder}/checkpoint.json"):
+            raise ServiceError(
+                409,
+                f"checkpoint tinker://{model.model_id}/{kind}/{name} exists (overwrite=True "
+                "replaces it)",
+            )
         path = f"tinker://{model.model_id}/{kind}/{name}"
         storage = self.storage
 
@@ -58,6 +99,8 @@ class Checkpoints:
                 "user_metadata": {str(k): str(v) for k, v in (meta or {}).items()} or None,
                 "base_model": model.base_model,
                 "lora": tinker_lora_config(model.lora, model.seed),
+                "public": False,
+                "expires_at": expires_at,
             }
             storage.write_json(f"{folder}/checkpoint.json", record)
             if kind == "sampler_weights":
@@ -109,7 +152,9 @@ class Checkpoints:
             for entry in self.storage.list(base):
                 name = entry.rstrip("/").rsplit("/", 1)[-1]
                 if self.storage.exists(f"{base}/{name}/checkpoint.json"):
-                    out.append(self.storage.read_json(f"{base}/{name}/checkpoint.json"))
+                    record = self.storage.read_json(f"{base}/{name}/checkpoint.json")
+                    with contextlib.suppress(ServiceError):  # expired: deleted, not listed
+                        out.append(self._live(record, f"{base}/{name}"))
         return sorted(out, key=lambda c: c["time"])
 
     def run_record(self, namespace: str | None, run_id: str) -> dict:
@@ -117,7 +162,45 @@ class Checkpoints:
 
     def delete(self, namespace: str | None, path: str) -> None:
         _, _, folder = self.parse_path(namespace, path)
-        self.storage.delete(folder)
+        self._remove(self.record(folder), folder)
+
+    def sweep(self) -> int:
+        """Delete every expired checkpoint in storage, of every namespace; how many."""
+        namespaces: list[str | None] = [None]
+        if self.storage.exists("ns"):
+            namespaces += [e.rstrip("/").rsplit("/", 1)[-1] for e in self.storage.list("ns")]
+        before = 0
+        for ns in namespaces:
+            for run in self.runs(ns):
+                run_dir = run_folder(ns, run["training_run_id"])
+                before += sum(
+                    len(self.storage.list(f"{run_dir}/{k}"))
+                    for k in KINDS
+                    if self.storage.exists(f"{run_dir}/{k}")
+                )
+                before -= len(self.of_run(ns, run["training_run_id"]))  # deletes the expired
+        return before
+
+    def set_ttl(self, namespace: str | None, path: str, ttl_seconds: Any) -> None:
+        """The caller's checkpoint at ``path`` expires ``ttl_seconds`` from now (None:
+        never)."""
+        _, _, folder = self.parse_path(namespace, path)
+        record = self.record(folder)
+        record["expires_at"] = _expiry(ttl_seconds)
+        self.storage.write_json(f"{folder}/checkpoint.json", record)
+
+    def publish(self, namespace: str | None, path: str, public: bool) -> None:
+        """Publish (every key may sample it or load it into a model of its own) or unpublish
+        the caller's checkpoint at ``path``."""
+        run_id, kind, folder = self.parse_path(namespace, path)
+        record = self.record(folder)
+        record["public"] = public
+        self.storage.write_json(f"{folder}/checkpoint.json", record)
+        entry = public_entry(run_id, kind, folder.rsplit("/", 1)[-1])
+        if public:
+            self.storage.write_json(entry, {"namespace": namespace})
+        else:
+            self.storage.delete(entry)
 
     def everything(self, namespace: str | None) -> list[dict]:
         """Every checkpoint of every run of the namespace."""
@@ -125,3 +208,23 @@ class Checkpoints:
         for run in self.runs(namespace):
             out += self.of_run(namespace, run["training_run_id"])
         return out
+
+
+MIN_TTL_S = 3600
+MAX_TTL_S = 10 * 365 * 86400
+
+
+def _expiry(ttl_seconds: Any) -> str | None:
+    """When a checkpoint with ``ttl_seconds`` expires (ISO time; None: never); a TTL outside
+    1 hour .. 10 years is a 400, as the SDK documents."""
+    if ttl_seconds is None:
+        return None
+    if isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int):
+        raise ServiceError(400, f"ttl_seconds must be a whole number, got {ttl_seconds!r}"[:200])
+    if not MIN_TTL_S <= ttl_seconds <= MAX_TTL_S:
+        raise ServiceError(
+            400,
+            f"ttl_seconds must be {MIN_TTL_S} (1 hour) to {MAX_TTL_S} (10 years), got "
+            f"{ttl_seconds}",
+        )
+    return (datetime.now(UTC) + timedelta(seconds=ttl_seconds)).isoformat()

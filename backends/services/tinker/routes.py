@@ -120,7 +120,10 @@ def save_weights_verb(service: TinkerService, ns: str | None, raw: bytes) -> dic
 
     def answer() -> dict:
         model = service.registry.model(ns, req.model_id)
-        rid = service.checkpoints.save(model, "weights", req.path, True, req.user_metadata or {})
+        meta, ttl = req.user_metadata or {}, req.ttl_seconds
+        rid = service.checkpoints.save(
+            model, "weights", req.path, True, meta, ttl, overwrite=req.overwrite
+        )
         return _future(rid, model.model_id)
 
     return service.calls.journaled(ns, "save_weights", req.model_id, req.seq_id, raw, answer)
@@ -130,13 +133,16 @@ def save_for_sampler_verb(service: TinkerService, ns: str | None, raw: bytes) ->
     from tinker import types as t
 
     req = _parse(t.SaveWeightsForSamplerRequest, _json(raw))
+    if req.kind != "snapshot":
+        raise ServiceError(400, f"sampling client kind {req.kind!r} is not served (snapshot)")
 
     def answer() -> dict:
         if req.path is None:
             return _future(*service.sampling.snapshot_for_sampler(ns, req.model_id))
         model = service.registry.model(ns, req.model_id)
         meta = req.user_metadata or {}
-        rid = service.checkpoints.save(model, "sampler_weights", req.path, False, meta)
+        ttl = req.ttl_seconds
+        rid = service.checkpoints.save(model, "sampler_weights", req.path, False, meta, ttl)
         return _future(rid, model.model_id)
 
     verb = "save_weights_for_sampler"
@@ -426,6 +432,8 @@ CHECKPOINT_FIELDS = (
     "tinker_path",
     "size_bytes",
     "user_metadata",
+    "public",
+    "expires_at",
 )
 
 
@@ -480,6 +488,25 @@ def _run_routes(app: FastAPI, service: TinkerService) -> None:
     async def delete_checkpoint(request: Request, run_id: str, kind: str, name: str) -> Response:
         path = f"tinker://{run_id}/{kind}/{name}"
         await asyncio.to_thread(service.checkpoints.delete, request.state.namespace, path)
+        return _null()
+
+    @app.put(f"{API}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}/ttl")
+    async def checkpoint_ttl(request: Request, run_id: str, kind: str, name: str) -> Response:
+        body = await _body(request)
+        path, ns = f"tinker://{run_id}/{kind}/{name}", request.state.namespace
+        await asyncio.to_thread(service.checkpoints.set_ttl, ns, path, body.get("ttl_seconds"))
+        return _null()
+
+    @app.post(f"{API}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}/publish")
+    async def publish(request: Request, run_id: str, kind: str, name: str) -> Response:
+        path, ns = f"tinker://{run_id}/{kind}/{name}", request.state.namespace
+        await asyncio.to_thread(service.checkpoints.publish, ns, path, True)
+        return _null()
+
+    @app.delete(f"{API}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}/publish")
+    async def unpublish(request: Request, run_id: str, kind: str, name: str) -> Response:
+        path, ns = f"tinker://{run_id}/{kind}/{name}", request.state.namespace
+        await asyncio.to_thread(service.checkpoints.publish, ns, path, False)
         return _null()
 
     @app.get(f"{API}/checkpoints")

@@ -100,7 +100,7 @@ class Sampling:
     def from_path(self, namespace: str | None, session: Session, path: str) -> str:
         """A sampler of the saved sampler weights at ``path``: on the live model that saved
         them, else on a pool model."""
-        run_id, kind, folder = self.checkpoints.parse_path(namespace, path)
+        run_id, kind, folder = self.checkpoints.parse_path(namespace, path, public=True)
         record = self.checkpoints.record(folder)
         lora, seed = read_tinker_lora(record["lora"])
         with self.lock:
@@ -131,7 +131,7 @@ class Sampling:
         )
         try:
             if e["model_path"] and e["model_id"] is None:  # a saved path on a pool model
-                _, _, folder = self.checkpoints.parse_path(e["ns"], e["model_path"])
+                _, _, folder = self.checkpoints.parse_path(e["ns"], e["model_path"], public=True)
                 record = self.checkpoints.record(folder)
                 lora, seed = read_tinker_lora(record["lora"])
                 target = self.pool_model(record["base_model"], lora, seed)

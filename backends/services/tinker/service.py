@@ -43,6 +43,8 @@ from flowrl.infra.storage import Storage
 
 __all__ = ["Limits", "TinkerService"]
 
+SWEEP_S = 600.0
+"""How often the service deletes expired checkpoints (a read of one also deletes it)."""
 RAY_WATCH_S = 5.0
 """How often a service with a journal asks whether its Ray cluster is still there."""
 RAY_GONE_EXIT = 75
@@ -100,9 +102,16 @@ class TinkerService:
         return self.calls.try_again
 
     def _reap(self) -> None:
+        swept = time.monotonic()
         while not self._stop.wait(1.0):
             self.calls.expire(self.limits.future_ttl_s)
             self.registry.end_silent_sessions()
+            if time.monotonic() - swept > SWEEP_S:
+                swept = time.monotonic()
+                try:
+                    self.checkpoints.sweep()
+                except Exception as err:  # noqa: BLE001 - storage down: the next sweep
+                    print(f"checkpoint sweep: {type(err).__name__}: {err}", file=sys.stderr)
 
     def _watch_ray(self) -> None:
         """A service with a journal whose Ray cluster is gone (its head died and was started

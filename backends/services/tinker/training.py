@@ -87,7 +87,9 @@ class Training:
     def load_weights(self, namespace: str | None, req: Any) -> tuple[str, str]:
         """A ``LoadWeightsRequest``: a saved state into a live model of the same base and
         adapter shape (``model_id``), or into a new model (``session_id`` + ``model_seq_id``)."""
-        _, kind, folder = self.checkpoints.parse_path(namespace, req.path)
+        if req.weights_access_token is not None:
+            raise ServiceError(400, "weights_access_token: external weights are not served here")
+        _, kind, folder = self.checkpoints.parse_path(namespace, req.path, public=True)
         if req.optimizer and kind != "weights":
             raise ServiceError(
                 400, "a sampler checkpoint has no optimizer state (save_state saves one)"
