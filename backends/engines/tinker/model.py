@@ -53,10 +53,10 @@ from safetensors.torch import save as save_safetensors
 from flowrl.backends.engines import parking
 from flowrl.backends.engines.algorithms import token_logprobs
 from flowrl.backends.engines.tinker.custom_loss import CustomLoss, run_custom
+from flowrl.backends.engines.tinker.scoring import score_prompt
 from flowrl.backends.engines.tinker.types import (
     DEFAULT_CLIP,
     DEFAULT_DRO_BETA,
-    MASK_LOGPROB,
     Datum,
     ForwardOutput,
     PromptScoring,
@@ -461,7 +461,7 @@ def _generate(
     ids = torch.tensor([prompt] * n, dtype=torch.long, device=tinker.device)
     out = tinker.model(input_ids=ids, use_cache=True)
     past = out.past_key_values
-    scored = _score_prompt(out.logits[0, :-1].float(), prompt, scoring)
+    scored = score_prompt(out.logits[0, :-1].float(), prompt, scoring)
     logits = out.logits[:, -1, :].float()
     stops = set(params.stop_tokens) | set(tinker.eos_ids)  # end of sequence always stops
     tokens: list[list[int]] = [[] for _ in range(n)]
@@ -485,37 +485,6 @@ def _generate(
         past, logits = out.past_key_values, out.logits[:, -1, :].float()
     sequences = [SampledSequence(tokens[i], logps[i], reasons[i]) for i in range(n)]
     return SampleOutput(sequences, *scored)
-
-
-def _score_prompt(
-    logits: torch.Tensor, prompt: list[int], scoring: PromptScoring
-) -> tuple[list[float] | None, tuple[np.ndarray, np.ndarray] | None, np.ndarray | None]:
-    """What ``scoring`` asks of the prompt, from its logits (row ``i`` predicts position
-    ``i + 1``): its log-probs (NaN where not scored), the top k at each position, and the
-    log-probs of the target ids."""
-    if not scoring.wanted:
-        return None, None, None
-    logp = torch.log_softmax(logits, dim=-1)  # [P - 1, V]
-    first = len(prompt) - scoring.last_n if scoring.last_n else 1  # the first position scored
-    prompt_lp = None
-    if scoring.logprobs:
-        rows = logp.gather(1, torch.tensor(prompt[1:], device=logp.device)[:, None])[:, 0]
-        prompt_lp = [math.nan] * first + rows[first - 1 :].tolist()
-    topk = None
-    if scoring.topk:
-        k = min(scoring.topk, logp.shape[-1])
-        ids = np.zeros((len(prompt), scoring.topk), np.int32)
-        lps = np.full((len(prompt), scoring.topk), MASK_LOGPROB, np.float32)
-        best = torch.topk(logp[first - 1 :], k, dim=-1)
-        ids[first:, :k] = best.indices.cpu().numpy()
-        lps[first:, :k] = best.values.cpu().numpy()
-        topk = (ids, lps)
-    targets = None
-    if scoring.targets is not None:
-        wanted = torch.from_numpy(np.where(scoring.targets < 0, 0, scoring.targets))
-        picked = logp.gather(1, wanted.to(logp.device)).cpu().numpy()
-        targets = np.where(scoring.targets < 0, 0.0, picked).astype(np.float32)
-    return prompt_lp, topk, targets
 
 
 def _hit_stop_string(tokenizer: Any, tokens: list[int], stop_strings: tuple[str, ...]) -> bool:

@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from flowrl.backends.engines.tinker.custom_loss import CustomLoss, compile_loss
 from flowrl.backends.engines.tinker.types import tinker_lora_config, training_lora
 from flowrl.backends.models.tinker_checkpoints import RUN_PATTERN, not_found, run_folder
 from flowrl.backends.policy.placement import Placement
@@ -90,35 +89,6 @@ class Registry:
         if live and s.ended:
             raise ServiceError(410, f"session {session_id} has ended ({s.ended})")
         return s
-
-    def create_custom_loss(self, namespace: str | None, req: Any) -> str:
-        """A ``CreateCustomLossRequest``: its graph checked against the allow-list
-        (``engines.tinker.custom_loss``; a 400 names what is refused) and kept in the session;
-        the loss id (the same again for a retry of the same request)."""
-        session = self.session(namespace, req.session_id)
-        loss_id = f"{session.session_id}:loss:{int(req.custom_loss_seq_id)}"
-        inputs = [i.model_dump() for i in req.inputs]
-        graph = req.graph.model_dump(mode="json")
-        loss = compile_loss(req.name, inputs, graph)
-        with self.lock:
-            if loss_id in session.losses:
-                return loss_id
-            session.losses[loss_id] = loss
-        entry = {"session_id": session.session_id, "loss_id": loss_id, "name": req.name}
-        self.calls.note({"op": "custom_loss", **entry, "inputs": inputs, "graph": graph})
-        return loss_id
-
-    def custom_loss(self, model: Model, loss_id: str | None) -> CustomLoss:
-        """The loss ``loss_id`` of ``model``'s session (a 400 otherwise)."""
-        session = self.sessions.get(model.session_id)
-        loss = session.losses.get(loss_id or "") if session is not None else None
-        if loss is None:
-            raise ServiceError(
-                400,
-                f"no custom loss {str(loss_id)[:80]!r} in this model's session "
-                "(create_custom_loss makes one)",
-            )
-        return loss
 
     def heartbeat(self, namespace: str | None, session_id: Any) -> None:
         s = self.session(namespace, session_id)

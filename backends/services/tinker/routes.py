@@ -302,7 +302,7 @@ def _model_routes(app: FastAPI, service: TinkerService) -> None:
     async def create_custom_loss(request: Request) -> dict:
         req = _parse(t.CreateCustomLossRequest, await _body(request))
         ns = request.state.namespace
-        loss_id = await asyncio.to_thread(service.registry.create_custom_loss, ns, req)
+        loss_id = await asyncio.to_thread(service.training.create_custom_loss, ns, req)
         rid = service.calls.answered_now(ns, {"loss_id": loss_id, "type": "create_custom_loss"})
         return _future(rid, None)
 

@@ -15,7 +15,7 @@ import time
 from collections.abc import Collection
 from typing import Any
 
-from flowrl.backends.engines.tinker.custom_loss import CustomLoss
+from flowrl.backends.engines.tinker.custom_loss import CustomLoss, compile_loss
 from flowrl.backends.engines.tinker.types import adam_step, check_batch, read_tinker_lora
 from flowrl.backends.models.tinker_checkpoints import run_folder
 from flowrl.backends.policy.tinker_handles import ModelHandle, work_for
@@ -73,7 +73,36 @@ class Training:
         """The uploaded loss a ``custom`` call names (None for the built-in losses)."""
         if call.loss_fn != "custom":
             return None
-        return self.registry.custom_loss(model, call.loss_id)
+        return self.custom_loss(model, call.loss_id)
+
+    def create_custom_loss(self, namespace: str | None, req: Any) -> str:
+        """A ``CreateCustomLossRequest``: its graph checked against the allow-list
+        (``engines.tinker.custom_loss``; a 400 names what is refused) and kept in the session;
+        the loss id (the same again for a retry of the same request)."""
+        session = self.registry.session(namespace, req.session_id)
+        loss_id = f"{session.session_id}:loss:{int(req.custom_loss_seq_id)}"
+        inputs = [i.model_dump() for i in req.inputs]
+        graph = req.graph.model_dump(mode="json")
+        loss = compile_loss(req.name, inputs, graph)
+        with self.registry.lock:
+            if loss_id in session.losses:
+                return loss_id
+            session.losses[loss_id] = loss
+        entry = {"session_id": session.session_id, "loss_id": loss_id, "name": req.name}
+        self.registry.calls.note({"op": "custom_loss", **entry, "inputs": inputs, "graph": graph})
+        return loss_id
+
+    def custom_loss(self, model: Model, loss_id: str | None) -> CustomLoss:
+        """The loss ``loss_id`` of ``model``'s session (a 400 otherwise)."""
+        session = self.registry.sessions.get(model.session_id)
+        loss = session.losses.get(loss_id or "") if session is not None else None
+        if loss is None:
+            raise ServiceError(
+                400,
+                f"no custom loss {str(loss_id)[:80]!r} in this model's session "
+                "(create_custom_loss makes one)",
+            )
+        return loss
 
     def optim_step(self, namespace: str | None, model_id: Any, adam: dict) -> tuple[str, str]:
         """One AdamW step with checked parameters (``types.adam_step``)."""
