@@ -46,9 +46,9 @@ class Checkpoints:
 
     def _live(self, record: dict, folder: str) -> dict:
         """``record``, unless its TTL has passed: then its checkpoint is deleted (404)."""
-        expires = record.get("expires_at")
-        if expires and datetime.fromisoformat(expires) <= datetime.now(UTC):
+        if _expired(record):
             self._remove(record, folder)
+            expires = record["expires_at"]
             raise not_found(f"checkpoint {record.get('tinker_path')!r} expired at {expires}")
         return record
 
@@ -145,17 +145,23 @@ class Checkpoints:
         if not self.storage.exists(f"{run_dir}/run.json"):
             raise not_found(f"no training run {run_id!r}")
         out = []
+        for record, folder in self._records(run_dir):
+            with contextlib.suppress(ServiceError):  # expired: deleted, not listed
+                out.append(self._live(record, folder))
+        return sorted(out, key=lambda c: c["time"])
+
+    def _records(self, run_dir: str) -> list[tuple[dict, str]]:
+        """Every checkpoint record of the run in ``run_dir``, with its folder."""
+        out = []
         for kind in KINDS:
             base = f"{run_dir}/{kind}"
             if not self.storage.exists(base):
                 continue
             for entry in self.storage.list(base):
-                name = entry.rstrip("/").rsplit("/", 1)[-1]
-                if self.storage.exists(f"{base}/{name}/checkpoint.json"):
-                    record = self.storage.read_json(f"{base}/{name}/checkpoint.json")
-                    with contextlib.suppress(ServiceError):  # expired: deleted, not listed
-                        out.append(self._live(record, f"{base}/{name}"))
-        return sorted(out, key=lambda c: c["time"])
+                folder = f"{base}/{entry.rstrip('/').rsplit('/', 1)[-1]}"
+                if self.storage.exists(f"{folder}/checkpoint.json"):
+                    out.append((self.storage.read_json(f"{folder}/checkpoint.json"), folder))
+        return out
 
     def run_record(self, namespace: str | None, run_id: str) -> dict:
         return self.storage.read_json(f"{run_folder(namespace, run_id)}/run.json")
@@ -169,17 +175,14 @@ class Checkpoints:
         namespaces: list[str | None] = [None]
         if self.storage.exists("ns"):
             namespaces += [e.rstrip("/").rsplit("/", 1)[-1] for e in self.storage.list("ns")]
-        before = 0
+        deleted = 0
         for ns in namespaces:
             for run in self.runs(ns):
-                run_dir = run_folder(ns, run["training_run_id"])
-                before += sum(
-                    len(self.storage.list(f"{run_dir}/{k}"))
-                    for k in KINDS
-                    if self.storage.exists(f"{run_dir}/{k}")
-                )
-                before -= len(self.of_run(ns, run["training_run_id"]))  # deletes the expired
-        return before
+                for record, folder in self._records(run_folder(ns, run["training_run_id"])):
+                    if _expired(record):
+                        self._remove(record, folder)
+                        deleted += 1
+        return deleted
 
     def set_ttl(self, namespace: str | None, path: str, ttl_seconds: Any) -> None:
         """The caller's checkpoint at ``path`` expires ``ttl_seconds`` from now (None:
@@ -212,6 +215,11 @@ class Checkpoints:
 
 MIN_TTL_S = 3600
 MAX_TTL_S = 10 * 365 * 86400
+
+
+def _expired(record: dict) -> bool:
+    expires = record.get("expires_at")
+    return bool(expires) and datetime.fromisoformat(expires) <= datetime.now(UTC)
 
 
 def _expiry(ttl_seconds: Any) -> str | None:

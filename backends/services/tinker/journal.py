@@ -73,10 +73,11 @@ def pending(entries: list[dict[str, Any]]) -> Pending:
     live = Pending()
     done = {e["rid"] for e in entries if e["op"] == "done"}
     bodies = {e["rid"]: e for e in entries if e["op"] == "call"}
+    ran: set[str] = set()  # the calls already in a history (a replay notes one twice)
     for e in entries:
         op = e["op"]
         if op in HISTORY:
-            _add_history(live.history, e, bodies)
+            _add_history(live.history, e, bodies, ran)
         if op == "session":
             live.sessions[e["session_id"]] = e
         elif op == "end_session":
@@ -107,17 +108,19 @@ HISTORY = ("ran", "snap", "loaded", "saved")
 
 
 def _add_history(
-    history: dict[str, list[dict[str, Any]]], e: dict[str, Any], bodies: dict[str, dict]
+    history: dict[str, list[dict[str, Any]]],
+    e: dict[str, Any],
+    bodies: dict[str, dict],
+    ran: set[str],
 ) -> None:
     """One history entry ``e`` onto its model's history (the module docstring)."""
     past = history.setdefault(e["model_id"], [])
     op = e["op"]
     if op == "ran":
-        call = bodies.get(e["rid"])
-        if "verb" in e:  # written whole by a rewrite
-            call = e
-        if call is None or any(h.get("rid") == e["rid"] for h in past):
+        call = e if "verb" in e else bodies.get(e["rid"])  # whole when a rewrite wrote it
+        if call is None or e["rid"] in ran:
             return  # ran twice: a replay answered from the actor's kept answer
+        ran.add(e["rid"])
         past.append({**e, "verb": call["verb"], "body": call["body"]})
     elif op == "snap":
         past.append(e)

@@ -4,7 +4,6 @@ order (``run_on``), and the per-key limit on live models."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import secrets
 import threading
 import time
@@ -16,7 +15,7 @@ from flowrl.backends.models.tinker_checkpoints import RUN_PATTERN, not_found, ru
 from flowrl.backends.policy.placement import Placement
 from flowrl.backends.policy.tinker_handles import Answered, ModelHandle, actor_lost, work_for
 from flowrl.backends.services.tinker.calls import Calls
-from flowrl.backends.services.tinker.state import Future, Limits, Model, Session, now
+from flowrl.backends.services.tinker.state import Limits, Model, Session, now
 from flowrl.backends.types import LoraSettings
 from flowrl.infra.serving import ServiceError
 from flowrl.infra.storage import Storage
@@ -296,10 +295,6 @@ class Registry:
     def unload_request(self, namespace: str | None, model_id: Any) -> tuple[str, str]:
         """A client's ``unload_model``: done at once; (future id of the answer, model id)."""
         model = self.model(namespace, model_id)
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        done.set_result({"model_id": model.model_id, "type": "unload_model"})
         self.unload(model, "unloaded by the client")
-        request_id = secrets.token_hex(12)
-        with self.lock:
-            self.calls.futures[request_id] = Future(model.namespace, "unload", done)
-        return request_id, model.model_id
+        answer = {"model_id": model.model_id, "type": "unload_model"}
+        return self.calls.answered_now(model.namespace, answer), model.model_id
