@@ -220,9 +220,11 @@ def guarded_app(
     limits: ServingLimits,
     open_paths: Iterable[str] = (),
     on_request: Callable[[], None] | None = None,
+    open_prefixes: tuple[str, ...] = (),
 ) -> FastAPI:
     """A FastAPI app behind the shared guard; a route reads the caller's namespace as
-    ``request.state.namespace`` (None without keys, and on ``open_paths``)."""
+    ``request.state.namespace`` (None without keys, and on ``open_paths`` and the paths under
+    ``open_prefixes``, whose routes check a permission of their own)."""
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
 
@@ -240,7 +242,8 @@ def guarded_app(
         if refusal is not None:
             return error_response(*refusal)
         request.state.namespace = None
-        if request.url.path not in open_set:
+        path = request.url.path
+        if path not in open_set and not (open_prefixes and path.startswith(open_prefixes)):
             try:
                 request.state.namespace = keys.namespace_of(presented_key(request.headers))
             except ServiceError as e:

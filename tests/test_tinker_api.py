@@ -823,7 +823,7 @@ def test_top_k_distillation_targets_through_the_sdk(server: Server, tokenizer) -
 
 def test_checkpoint_ttls_and_publishing(server: Server) -> None:
     """A checkpoint saved with ``ttl_seconds`` lists when it expires (a TTL outside 1 hour to
-    10 years is a 400); a name taken is a 409 unless ``overwrite``; ``set_checkpoint_ttl`` moves
+    10 years is a 400); a name taken is a 400 unless ``overwrite``; ``set_checkpoint_ttl`` moves
     it; once past, the checkpoint is gone:
     not listed, its files deleted, a load of it a 404 saying it expired. A published
     checkpoint is one another key may sample; unpublished, it is private again."""
@@ -841,7 +841,7 @@ def test_checkpoint_ttls_and_publishing(server: Server) -> None:
     with pytest.raises(tinker.BadRequestError, match="ttl_seconds must be 3600"):
         tc.save_state("short", ttl_seconds=10).result()
     first = tc.save_state("state").result().path
-    with pytest.raises(tinker.ConflictError, match="overwrite=True replaces it"):
+    with pytest.raises(tinker.BadRequestError, match="overwrite=True replaces it"):
         tc.save_state("state").result()
     assert tc.save_state("state", overwrite=True).result().path == first
     rest.delete_checkpoint_from_tinker_path(first).result()
@@ -882,3 +882,171 @@ def test_checkpoint_ttls_and_publishing(server: Server) -> None:
         server.client().create_sampling_client(model_path=path).sample(
             types.ModelInput.from_ints([5, 6]), 1, types.SamplingParams(max_tokens=2)
         ).result()
+
+
+def test_sessions_are_searched_by_name_project_metadata_and_status(server: Server) -> None:
+    """``search_sessions`` finds a key's own sessions, newest first: by display name (each
+    word, any case) or id, project, user metadata, and status (running, or how its client
+    closed it); a page at a time through ``next_cursor``; another key's never."""
+    from tinker.types import (
+        ActiveSessionStatusQuery,
+        ClientFinishedSessionStatusQuery,
+        SessionSearchRequest,
+        UserSearchOwner,
+    )
+
+    tag = f"search-{time.time_ns()}"  # this test's sessions among the module's
+
+    def opened(name: str, project: str | None) -> tinker.ServiceClient:
+        client = tinker.ServiceClient(
+            base_url=server.url,
+            api_key=ALICE,
+            project_id=project,
+            display_name=name,
+            user_metadata={"tag": tag},
+        )
+        client.create_lora_training_client(BASE, rank=2, seed=1).result()
+        return client
+
+    nightly = opened("Nightly math RL", "proj-a")
+    sweep = opened("lr sweep", "proj-b")
+    crashed = opened("nightly code RL", None)
+    crashed.close("errored", "out of memory").result()
+    server.clients += [nightly, sweep]
+    rest = server.client().create_rest_client()
+
+    def found(**kw) -> list[str]:
+        page = rest.search_sessions(SessionSearchRequest(user_metadata={"tag": tag}, **kw))
+        return [s.display_name for s in page.result().sessions]
+
+    assert found() == ["nightly code RL", "lr sweep", "Nightly math RL"]
+    assert found(display_name="NIGHTLY rl") == ["nightly code RL", "Nightly math RL"]
+    assert found(project_ids=["proj-a", "default"]) == ["nightly code RL", "Nightly math RL"]
+    assert found(statuses=[ActiveSessionStatusQuery()]) == ["lr sweep", "Nightly math RL"]
+    errored = ClientFinishedSessionStatusQuery(reasons=["errored"])
+    assert found(statuses=[errored]) == ["nightly code RL"]
+    assert found(statuses=[ClientFinishedSessionStatusQuery(reasons=["success"])]) == []
+
+    first = rest.search_sessions(SessionSearchRequest(user_metadata={"tag": tag}, limit=2))
+    first = first.result()
+    assert [s.display_name for s in first.sessions] == ["nightly code RL", "lr sweep"]
+    (done,) = [s for s in first.sessions if s.display_name == "nightly code RL"]
+    assert done.status.type == "client_finished" and done.status.reason.type == "errored"
+    assert done.project_id == "default" and done.user_metadata == {"tag": tag}
+    rest_page = SessionSearchRequest(user_metadata={"tag": tag}, limit=2, cursor=first.next_cursor)
+    last = rest.search_sessions(rest_page).result()
+    assert [s.display_name for s in last.sessions] == ["Nightly math RL"]
+    assert last.next_cursor is None and last.sessions[0].owner == done.owner
+
+    bob = server.client(BOB).create_rest_client()
+    assert (
+        bob.search_sessions(SessionSearchRequest(user_metadata={"tag": tag})).result().sessions
+        == []
+    )
+    others = SessionSearchRequest(owner=UserSearchOwner(owner_urns=["urn:flowrl:namespace:bob"]))
+    assert rest.search_sessions(others).result().sessions == []
+    bad = server.post("sessions/search", json={"limit": 0})
+    assert bad.status_code == 400 and "limit" in bad.text
+
+
+def test_copy_weights_makes_a_run_that_holds_the_checkpoint(server: Server, tokenizer) -> None:
+    """``copy_weights`` puts a checkpoint into a new run of the caller's (in the project named,
+    with its own TTL): it samples as the source did and outlives the source's deletion; the
+    SDK's retry of one copy makes no second; another key's private checkpoint is not found;
+    an access token, or no project, is a 400. ``get_info`` names the tokenizer."""
+    client = server.client()
+    tc = client.create_lora_training_client(BASE, rank=2, seed=5).result()
+    info = server.post("get_info", json={"model_id": tc.get_info().model_id}).json()
+    assert info["model_data"]["tokenizer_id"] == BASE
+    source = tc.save_weights_for_sampler("to-copy").result().path
+    rest = client.create_rest_client()
+    copied = rest.copy_weights(source, "archive", ttl_seconds=7200).result()
+    run_id = copied.split("/")[2]
+    assert copied != source and copied.endswith("/sampler_weights/to-copy")
+    (listed,) = rest.list_checkpoints(run_id).result().checkpoints
+    assert listed.expires_at is not None and listed.public is False
+
+    prompt = types.ModelInput.from_ints(tokenizer.encode("seven times seven"))
+    greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
+
+    def tokens(path: str) -> list[int]:
+        sampler = client.create_sampling_client(model_path=path)
+        return sampler.sample(prompt, 1, greedy).result().sequences[0].tokens
+
+    expected = tokens(source)
+    rest.delete_checkpoint_from_tinker_path(source).result()
+    assert tokens(copied) == expected
+
+    body = {"source_path": copied, "destination_project_id": "archive"}
+    key = {"X-Idempotency-Key": "same-copy"}
+    once, again = (server.post("copy_weights", json=body, headers=key) for _ in range(2))
+    assert once.status_code == 200 and once.json() == again.json()
+    assert server.post("copy_weights", json=body, key=BOB).status_code == 404
+    assert server.post("copy_weights", json={"source_path": copied}).status_code == 400
+    token = {"X-Tinker-Weights-Access-Token": "t"}
+    refused = server.post("copy_weights", json=body, headers=token)
+    assert refused.status_code == 400 and "weights_access_token" in refused.text
+
+
+def test_external_weights_download_into_peft_and_generate_as_the_sampler(
+    server: Server, home: Path, tokenizer, tmp_path: Path
+) -> None:
+    """``save_weights_external`` exports a trained adapter as a PEFT folder; each file comes
+    from its signed URL without a key (a changed or foreign token is a 403); ``PeftModel``
+    loads it on the base, merged it generates with ``transformers`` the greedy tokens the
+    service's sampler does. Encrypted to an age recipient, only its identity opens it."""
+    import pyrage
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    client = server.client()
+    tc = client.create_lora_training_client(BASE, rank=4, seed=3).result()
+    for _ in range(4):
+        tc.forward_backward(_datums(tokenizer, LINES), "cross_entropy").result()
+        tc.optim_step(types.AdamParams(learning_rate=5e-2)).result()
+    export = tc.save_weights_external("peft", ttl_seconds=3600).result().path
+    assert export == f"tinker://{tc.get_info().model_id}/external_weights/peft"
+    rest = client.create_rest_client()
+    signed = rest.get_external_weights_urls(export).result()
+    assert sorted(signed.urls) == ["adapter_config.json", "adapter_model.safetensors"]
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    for name, url in signed.urls.items():
+        got = httpx.get(url, timeout=30)  # no key: the URL is the permission
+        assert got.status_code == 200, got.text
+        (folder / name).write_bytes(got.content)
+    forged = signed.urls["adapter_config.json"][:-4] + "0000"
+    assert httpx.get(forged, timeout=30).status_code == 403
+
+    prompt = tokenizer.encode("12+7=")
+    sampler = tc.save_weights_and_get_sampling_client()
+    greedy = types.SamplingParams(max_tokens=6, temperature=0.0)
+    served = sampler.sample(types.ModelInput.from_ints(prompt), 1, greedy).result()
+    base = AutoModelForCausalLM.from_pretrained(base_folder("tiny", str(home / "model-cache")))
+    # The tiny base ties its unembedding to its embedding; the adapter trains the unembedding
+    # (lm_head), so merging it needs the two apart, or it would change the embedding too.
+    base.lm_head.weight = torch.nn.Parameter(base.get_input_embeddings().weight.detach().clone())
+    base.config.tie_word_embeddings = False
+    peft = PeftModel.from_pretrained(base, str(folder))
+    merged = peft.merge_and_unload()
+    with torch.no_grad():
+        out = merged.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+    assert out[0, len(prompt) :].tolist() == served.sequences[0].tokens
+
+    identity = pyrage.x25519.Identity.generate()
+    sealed = tc.save_weights_external(
+        "sealed", age_encryption_recipients=[str(identity.to_public())]
+    )
+    sealed_urls = rest.get_external_weights_urls(sealed.result().path).result().urls
+    assert sorted(sealed_urls) == ["adapter_config.json.age", "adapter_model.safetensors.age"]
+    blob = httpx.get(sealed_urls["adapter_config.json.age"], timeout=30).content
+    assert pyrage.decrypt(blob, [identity]) == (folder / "adapter_config.json").read_bytes()
+    with pytest.raises(tinker.BadRequestError, match="not an age recipient"):
+        tc.save_weights_external("bad", age_encryption_recipients=["age1nope"]).result()
+    with pytest.raises(tinker.BadRequestError, match="is for download"):
+        client.create_training_client_from_state(export).result()
+    run_id = export.split("/")[2]
+    urls_of = f"{server.url}/api/v1/training_runs/{run_id}/checkpoints/external_weights/peft/"
+    bobs = httpx.get(f"{urls_of}external_weights_urls", headers={"X-API-Key": BOB}, timeout=30)
+    assert bobs.status_code == 404  # another key's export

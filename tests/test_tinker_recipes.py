@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from families import FAMILIES, build_family, teach
+from families import FAMILIES, Family, build_family, teach
 from services import TinkerServer
 
 from flowrl.backends.policy.placement import InProcess
@@ -41,6 +41,48 @@ CLIENT_VENV = Path(os.environ.get("FLOWRL_TEST_CLIENT_VENV", REPO / ".venv-clien
 HUB = Path(__file__).with_name("cookbook_hub.py")
 KEY = "tml-recipes-" + "r" * 24
 BASE = "Qwen/Qwen3-8B"
+DEEPSEEK = "deepseek-ai/DeepSeek-V3.1"
+
+_S = chr(65372)  # DeepSeek's full-width bar: <｜User｜>
+DEEPSEEK_SPECIALS = tuple(
+    f"<{_S}{name}{_S}>"
+    for name in (
+        "begin▁of▁sentence",
+        "end▁of▁sentence",
+        "User",
+        "Assistant",
+        "tool▁calls▁begin",
+        "tool▁calls▁end",
+        "tool▁call▁begin",
+        "tool▁call▁end",
+        "tool▁sep",
+        "tool▁output▁begin",
+        "tool▁output▁end",
+    )
+)
+DEEPSEEK_FAMILY = Family(
+    "deepseek_v3",
+    "qwen3",
+    DEEPSEEK_SPECIALS,
+    ("<think>", "</think>"),
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}"
+    + DEEPSEEK_SPECIALS[2]
+    + "{{ m.content }}{% elif m.role == 'assistant' %}"
+    + DEEPSEEK_SPECIALS[3]
+    + "{{ m.content }}"
+    + DEEPSEEK_SPECIALS[1]
+    + "{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}" + DEEPSEEK_SPECIALS[3] + "{% endif %}",
+    eos=DEEPSEEK_SPECIALS[1],
+    generation_eos=(DEEPSEEK_SPECIALS[1],),
+    pad=DEEPSEEK_SPECIALS[1],
+    bos=DEEPSEEK_SPECIALS[0],
+)
+"""A tiny model with DeepSeek V3's special tokens, each one token as the cookbook's
+``deepseekv3`` renderer needs: rl_numerics_check's environment declares a tool, and of the
+renderers with tools it is the one whose tokenizer calls are safe from the threads the recipe
+renders in (the ``qwen3`` renderer's switch of ``split_special_tokens`` is not: ``RuntimeError:
+Already borrowed``)."""
 
 
 STRAWBERRY = [  # rl_loop's one-shot example, as its prompt starts
@@ -57,6 +99,19 @@ FOURS += [f"What is {a + 4} - {a}?" for a in range(1, 6)]
 """gsm8k's stand-in for rl_loop: ten questions whose answer is 4."""
 GUESSES = (3, 4, 5, 6)
 """What the taught fixture answers any of them with, about evenly: a reward of ~1/4 to start."""
+
+
+def untie(folder: str) -> None:
+    """Give the fixture an unembedding of its own (a copy of its embedding), as Qwen3-8B has:
+    an adapter on the unembedding then merges into it alone (PEFT's merge and the cookbook's
+    both need that)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    model.save_pretrained(folder)
 
 
 def teach_to_guess(folder: str) -> None:
@@ -106,7 +161,14 @@ def datasets_of_the_hub() -> list[dict[str, Any]]:
             }
         )
     fours = [{"question": q, "answer": f"{q[8:-1]} = 4\n#### 4"} for q in FOURS * 4]
+    words = "the cat sat after the rain before the war although it was late against the wall"
+    pages = [" ".join(rng.choice(words.split()) for _ in range(60)) for _ in range(200)]
     return [
+        {
+            "repo": "Salesforce/wikitext",
+            "config": "wikitext-103-raw-v1",
+            "splits": {"train": [{"text": page} for page in pages]},
+        },
         {"repo": "openai/gsm8k", "config": "main", "splits": {"train": fours, "test": fours[:8]}},
         {
             "repo": "HuggingFaceH4/no_robots",
@@ -126,13 +188,19 @@ class Cookbook:
     url: str
     hf_home: Path
     home: Path
+    folder: str
+    """The fixture that ``Qwen/Qwen3-8B`` is here."""
 
     def run(self, recipe: str, log_path: Path | None, *flags: str, timeout: int = 300) -> str:
         """``python -m tinker_cookbook.recipes.<recipe> base_url=… model_name=… log_path=…
-        <flags>`` in the thin client venv (only ``<flags>`` when ``log_path`` is None); returns
-        its output (fails the test on a nonzero exit)."""
+        <flags>`` in the thin client venv (only ``<flags>`` when ``log_path`` is None; another
+        module of the cookbook by its full name; ``python <flags>`` for ``""``); returns its
+        output (fails the test on a nonzero exit)."""
         python = CLIENT_VENV / "bin" / "python"
-        command = [str(python), "-m", f"tinker_cookbook.recipes.{recipe}"]
+        module = (
+            recipe if recipe.startswith("tinker_cookbook.") else f"tinker_cookbook.recipes.{recipe}"
+        )
+        command = [str(python), "-m", module] if recipe else [str(python)]
         if log_path is not None:
             command += [f"base_url={self.url}", f"model_name={BASE}", f"log_path={log_path}"]
         command += flags
@@ -173,8 +241,10 @@ def cookbook(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cookbook]:
     root = tmp_path_factory.mktemp("recipes")
     folder = build_family(FAMILIES["qwen3"], root / "qwen3")
     teach_to_guess(folder)
+    untie(folder)
+    models = {BASE: folder, DEEPSEEK: build_family(DEEPSEEK_FAMILY, root / "deepseek")}
     hf_home = root / "hf"
-    job = {"home": str(hf_home), "models": {BASE: folder}, "datasets": datasets_of_the_hub()}
+    job = {"home": str(hf_home), "models": models, "datasets": datasets_of_the_hub()}
     filled = subprocess.run(
         [str(python), str(HUB)],
         input=json.dumps(job),
@@ -190,13 +260,13 @@ def cookbook(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cookbook]:
     os.environ["FLOWRL_HOME"] = str(root / "flowrl")
     service = TinkerService(
         InProcess(),
-        catalogue={BASE: folder},
+        catalogue=models,
         keys={KEY: "recipes"},
         limits=Limits(max_models_per_namespace=32),
     )
     server = TinkerServer(service)
     try:
-        yield Cookbook(server.url, hf_home, home)
+        yield Cookbook(server.url, hf_home, home, folder)
     finally:
         server.stop()
         if old_home is None:
@@ -292,3 +362,93 @@ def test_rl_loop_raises_the_reward(cookbook: Cookbook) -> None:
     assert reward[0] < 0.6, reward
     print(json.dumps({"reward": reward}))  # shown with -s
     assert sum(reward[-3:]) / 3 > sum(reward[:2]) / 2 + 0.2, reward
+
+
+def test_rl_numerics_check_sampler_and_trainer_agree(cookbook: Cookbook) -> None:
+    """``recipes/rl_numerics_check`` (a multi-turn counting task over WikiText pages, a tool
+    declared; ``rl.train``'s sync loop): the KL between the sampler's log-probs and the
+    trainer's on the same tokens, the health signal the cookbook tells users to watch, is
+    under 1e-3 at every step (both are flowrl's fp32 model)."""
+    log = cookbook.home / "numerics"
+    cookbook.run(
+        "rl_numerics_check.train",
+        None,
+        f"base_url={cookbook.url}",
+        f"model_name={DEEPSEEK}",
+        f"log_path={log}",
+        "lora_rank=8",
+        "learning_rate=1e-3",
+        "group_size=2",
+        "groups_per_batch=2",
+        "max_tokens=16",
+        "max_steps=3",
+        "task.num_pages_min=1",
+        "task.num_pages_max=2",
+        "task.page_chars=200",
+        "save_every=0",
+        "behavior_if_log_dir_exists=delete",
+    )
+    steps = [m for m in metrics(log) if "optim/kl_sample_train_v2" in m]
+    print(json.dumps({"kl": [m["optim/kl_sample_train_v2"] for m in steps]}))  # shown with -s
+    assert len(steps) == 3, steps
+    for step in steps:
+        assert 0 <= step["optim/kl_sample_train_v2"] < 1e-3, step
+        assert abs(step["optim/kl_sample_train_v1"]) < 1e-3, step
+
+
+def test_weights_download_and_merge_generate_as_the_sampler(cookbook: Cookbook) -> None:
+    """A user's way out: ``sl_loop`` trains; the cookbook's ``weights.download`` fetches its
+    final state (the service exports it as external weights, age-encrypted to a key made for
+    the download, by signed URLs; the cookbook decrypts it and deletes the export); the
+    cookbook's merge script folds the adapter into the base. ``transformers`` loads the merged
+    model, and it answers with the service's sampler's greedy tokens and log-probs."""
+    import tinker
+    import torch
+    from tinker import types
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log, adapter, merged = (cookbook.home / name for name in ("sl-out", "adapter", "merged"))
+    flags = ("batch_size=8", "max_steps=3", "learning_rate=1e-2", "lora_rank=8", "save_every=0")
+    cookbook.run("sl_loop", log, *flags)
+    final = json.loads((log / "checkpoints.jsonl").read_text().splitlines()[-1])
+    download = (
+        "from tinker_cookbook import weights; "
+        f"weights.download(tinker_path={final['state_path']!r}, output_dir={str(adapter)!r})"
+    )
+    cookbook.run("", None, "-c", download)
+    assert sorted(p.name for p in adapter.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    merge = "tinker_cookbook.scripts.merge_tinker_adapter_to_hf_model"
+    cookbook.run(
+        merge,
+        None,
+        "--hf-model",
+        cookbook.folder,
+        "--tinker-adapter-path",
+        str(adapter),
+        "--output-path",
+        str(merged),
+    )
+
+    tokenizer = AutoTokenizer.from_pretrained(merged)
+    text = (
+        "<|im_start|>user\nWhat is 3 + 4?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    prompt = tokenizer.encode(text)
+    client = tinker.ServiceClient(base_url=cookbook.url, api_key=KEY)
+    sampler = client.create_sampling_client(model_path=final["sampler_path"])
+    greedy = types.SamplingParams(max_tokens=8, temperature=0.0)
+    served = sampler.sample(types.ModelInput.from_ints(prompt), 1, greedy).result().sequences[0]
+    model = AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)
+        tokens = out[0, len(prompt) :].tolist()
+        logits = model(out[:, : len(prompt) + len(served.tokens)]).logits[0].float()
+    print(json.dumps({"merged_says": tokenizer.decode(tokens)}))  # shown with -s
+    assert tokens == served.tokens, (tokens, served.tokens, tokenizer.decode(tokens))
+    logprobs = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1]
+    mine = logprobs.gather(1, torch.tensor(served.tokens)[:, None])[:, 0]
+    assert torch.allclose(mine, torch.tensor(served.logprobs), atol=1e-4)
+    client.close("success").result()

@@ -18,7 +18,7 @@ from flowrl.infra.storage import Storage
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 RUN_PATTERN = re.compile(r"^([0-9a-f]{16}):train:([0-9]{1,6})$")
-KINDS = {"weights": "training", "sampler_weights": "sampler"}
+KINDS = {"weights": "training", "sampler_weights": "sampler", "external_weights": "external"}
 """Checkpoint kinds in a ``tinker://`` path → the SDK's ``checkpoint_type``."""
 
 
@@ -55,7 +55,9 @@ def checkpoint_folder(
     parts = path[len("tinker://") :].split("/")
     if len(parts) != 3 or parts[1] not in KINDS or not NAME_PATTERN.match(parts[2]):
         raise ServiceError(
-            400, f"a path is tinker://<run>/weights|sampler_weights/<name>: {path[:120]!r}"
+            400,
+            "a path is tinker://<run>/weights|sampler_weights|external_weights/<name>: "
+            f"{path[:120]!r}",
         )
     run_id, kind, name = parts
     folder = f"{run_folder(namespace, run_id)}/{kind}/{name}"

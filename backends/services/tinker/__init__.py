@@ -6,7 +6,9 @@ flowrl's models behind it. One module each:
 - ``service``: the service, one part per resource, each owning its state: ``calls``
   (futures, the journal, retries' answers), ``registry`` (sessions and training models),
   ``training`` (the training verbs), ``sampling`` (samplers and ``sample``), ``checkpoints``
-  (runs and checkpoints in storage); ``state``: their records;
+  (runs and checkpoints in storage, copies), ``exports`` (``export``: external weights and
+  their signed downloads); ``state``: their records;
+- ``search``: session search;
 - ``wire``: the SDK's protobuf messages;
 - ``journal``: what a restarted service carries on.
 

@@ -69,40 +69,12 @@ class Checkpoints:
     ) -> str:
         """Queue a save of ``model`` as ``kind`` (weights | sampler_weights) named ``name``,
         expiring after ``ttl_seconds`` (None: never); without ``overwrite`` a name taken is a
-        409 (a replay of the journal's own save is not refused)."""
-        expires_at = _expiry(ttl_seconds)
-        if name is None:
-            name = f"{'state' if kind == 'weights' else 'sampler'}-{secrets.token_hex(4)}"
-        if not NAME_PATTERN.match(name):
-            raise ServiceError(400, f"bad checkpoint name {name[:80]!r} (letters, digits, . _ -)")
-        folder = f"{run_folder(model.namespace, model.model_id)}/{kind}/{name}"
-        replaying = getattr(self.registry.calls.replaying, "replay", None) is not None
-        if not overwrite and not replaying and self.storage.exists(f"{folder}/checkpoint.json"):
-            raise ServiceError(
-                409,
-                f"checkpoint tinker://{model.model_id}/{kind}/{name} exists (overwrite=True "
-                "replaces it)",
-            )
-        path = f"tinker://{model.model_id}/{kind}/{name}"
-        storage = self.storage
+        400 (a replay of the journal's own save is not refused)."""
+        folder, path = self.new_folder(model, kind, name, ttl_seconds, overwrite)
 
         def work(handle: ModelHandle) -> dict:
             files = handle.call("state_bytes", optimizer)
-            for file, data in files.items():
-                storage.write_bytes(f"{folder}/{file}", data)
-            record = {
-                "checkpoint_id": f"{kind}/{name}",
-                "checkpoint_type": KINDS[kind],
-                "time": now(),
-                "tinker_path": path,
-                "size_bytes": sum(len(v) for v in files.values()),
-                "user_metadata": {str(k): str(v) for k, v in (meta or {}).items()} or None,
-                "base_model": model.base_model,
-                "lora": tinker_lora_config(model.lora, model.seed),
-                "public": False,
-                "expires_at": expires_at,
-            }
-            storage.write_json(f"{folder}/checkpoint.json", record)
+            self.write(model, kind, folder, path, files, ttl_seconds, meta)
             if kind == "sampler_weights":
                 handle.call("add_snapshot_bytes", path, files["adapter.safetensors"])
                 snap = {"op": "snap", "model_id": model.model_id, "key": path, "folder": folder}
@@ -118,8 +90,64 @@ class Checkpoints:
 
         return self.registry.run_on(model, "save", work)
 
+    def new_folder(
+        self, model: Model, kind: str, name: str | None, ttl_seconds: Any, overwrite: bool
+    ) -> tuple[str, str]:
+        """The storage folder and ``tinker://`` path of ``model``'s checkpoint ``kind/name``
+        (a name drawn if None), checked before the save is queued: the name, the TTL, and
+        without ``overwrite`` a name taken (400: the SDK retries a 409 for minutes; a replay of
+        the journal's own save is not refused)."""
+        _expiry(ttl_seconds)
+        if name is None:
+            name = f"{'state' if kind == 'weights' else 'sampler'}-{secrets.token_hex(4)}"
+        if not NAME_PATTERN.match(name):
+            raise ServiceError(400, f"bad checkpoint name {name[:80]!r} (letters, digits, . _ -)")
+        folder = f"{run_folder(model.namespace, model.model_id)}/{kind}/{name}"
+        replaying = getattr(self.registry.calls.replaying, "replay", None) is not None
+        if not overwrite and not replaying and self.storage.exists(f"{folder}/checkpoint.json"):
+            raise ServiceError(
+                400,
+                f"checkpoint tinker://{model.model_id}/{kind}/{name} exists (overwrite=True "
+                "replaces it)",
+            )
+        return folder, f"tinker://{model.model_id}/{kind}/{name}"
+
+    def write(
+        self,
+        model: Model,
+        kind: str,
+        folder: str,
+        path: str,
+        files: dict[str, bytes],
+        ttl_seconds: Any,
+        meta: dict | None = None,
+    ) -> int:
+        """Write a checkpoint's ``files`` and its record; their size in bytes."""
+        for file, data in files.items():
+            self.storage.write_bytes(f"{folder}/{file}", data)
+        size = sum(len(v) for v in files.values())
+        record = {
+            "checkpoint_id": f"{kind}/{path.rsplit('/', 1)[-1]}",
+            "checkpoint_type": KINDS[kind],
+            "time": now(),
+            "tinker_path": path,
+            "size_bytes": size,
+            "user_metadata": {str(k): str(v) for k, v in (meta or {}).items()} or None,
+            "base_model": model.base_model,
+            "lora": tinker_lora_config(model.lora, model.seed),
+            "public": False,
+            "expires_at": _expiry(ttl_seconds),
+        }
+        self.storage.write_json(f"{folder}/checkpoint.json", record)
+        return size
+
     def read(self, folder: str, optimizer: bool) -> dict[str, bytes]:
         """The files of the checkpoint in ``folder``: its adapter, and its optimizer state."""
+        if not self.storage.exists(f"{folder}/adapter.safetensors"):
+            raise ServiceError(
+                400,
+                "an external_weights checkpoint is for download: load a state or sampler weights",
+            )
         files = {"adapter.safetensors": self.storage.read_bytes(f"{folder}/adapter.safetensors")}
         if optimizer:
             if not self.storage.exists(f"{folder}/optimizer.pt"):
@@ -204,6 +232,35 @@ class Checkpoints:
             self.storage.write_json(entry, {"namespace": namespace})
         else:
             self.storage.delete(entry)
+
+    def copy(
+        self, namespace: str | None, source: Any, run_id: str, project: str | None, ttl: Any
+    ) -> str:
+        """Copy the checkpoint at ``source`` (the caller's, or a published one) into a new run
+        ``run_id`` of the caller's that holds only it (no model trains it; a training client
+        may load it), in ``project``, expiring after ``ttl`` s (the source's expiry is not
+        kept); its ``tinker://`` path."""
+        _, kind, folder = self.parse_path(namespace, source, public=True)
+        expires_at = _expiry(ttl)
+        run_dir = run_folder(namespace, run_id)
+        if self.storage.exists(f"{run_dir}/run.json"):
+            raise ServiceError(400, f"training run {run_id} exists")
+        name = folder.rsplit("/", 1)[-1]
+        dest = f"{run_dir}/{kind}/{name}"
+        for file in self.storage.list(folder):
+            if file != "checkpoint.json":
+                self.storage.write_bytes(
+                    f"{dest}/{file}", self.storage.read_bytes(f"{folder}/{file}")
+                )
+        path = f"tinker://{run_id}/{kind}/{name}"
+        record = self.record(folder) | {"tinker_path": path, "time": now(), "public": False}
+        record |= {"expires_at": expires_at, "copied_from": source}
+        self.storage.write_json(f"{dest}/checkpoint.json", record)
+        run = self.storage.read_json(f"{folder.rsplit('/', 2)[0]}/run.json")
+        run |= {"training_run_id": run_id, "model_owner": namespace or "local", "created": now()}
+        run |= {"project_id": project, "copied_from": source, "trainable": False}
+        self.storage.write_json(f"{run_dir}/run.json", run)
+        return path
 
     def everything(self, namespace: str | None) -> list[dict]:
         """Every checkpoint of every run of the namespace."""

@@ -61,23 +61,21 @@ class Registry:
         meta = body.get("user_metadata") or {}
         if not isinstance(meta, dict):
             raise ServiceError(400, "user_metadata must be an object")
-        with self.lock:
-            self.sessions[session_id] = Session(
-                session_id,
-                namespace,
-                body.get("display_name"),
-                {str(k): str(v) for k, v in meta.items()},
-            )
-        s = self.sessions[session_id]
-        self.calls.note(
-            {
-                "op": "session",
-                "session_id": session_id,
-                "ns": namespace,
-                "display_name": s.display_name,
-                "meta": s.user_metadata,
-            }
+        project = body.get("project_id")
+        if project is not None and (not isinstance(project, str) or not 0 < len(project) <= 200):
+            raise ServiceError(400, "project_id must be a string of 1 to 200 characters")
+        s = Session(
+            session_id,
+            namespace,
+            body.get("display_name"),
+            {str(k): str(v) for k, v in meta.items()},
+            project_id=project,
         )
+        with self.lock:
+            self.sessions[session_id] = s
+        entry = {"op": "session", "session_id": session_id, "ns": namespace}
+        entry |= {"display_name": s.display_name, "meta": s.user_metadata}
+        self.calls.note(entry | {"project_id": project, "created_at": s.created_at})
         return session_id
 
     def session(self, namespace: str | None, session_id: Any, live: bool = True) -> Session:
@@ -93,11 +91,13 @@ class Registry:
         s = self.session(namespace, session_id)
         s.heartbeat = time.monotonic()
 
-    def end_session(self, session: Session, why: str) -> None:
+    def end_session(self, session: Session, why: str, status: dict | None = None) -> None:
+        """End ``session`` (its models unloaded); ``status``: how, as the SDK's
+        ``SessionStatus`` says it (a client's finish)."""
         with self.lock:
             if session.ended:
                 return
-            session.ended = why
+            session.ended, session.status = why, status
             models = [self.models[m] for m in session.models if m in self.models]
         self.calls.note({"op": "end_session", "session_id": session.session_id})
         for model in models:

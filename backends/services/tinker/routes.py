@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -24,6 +25,8 @@ from flowrl.backends.engines.tinker.types import (
     check_sample_request,
     sample_params,
 )
+from flowrl.backends.services.tinker.export import export_routes
+from flowrl.backends.services.tinker.search import finish_status, search_sessions
 from flowrl.backends.services.tinker.service import TinkerService
 from flowrl.backends.services.tinker.wire import decompress, read_forward_backward
 from flowrl.infra.serving import ServiceError, error_response, guarded_app
@@ -35,7 +38,13 @@ NULL = b"null"
 
 def create_app(service: TinkerService) -> FastAPI:
     """The service's HTTP API (see the module docstring)."""
-    app = guarded_app("flowrl Tinker API", service.keys, service.limits, open_paths=OPEN_PATHS)
+    app = guarded_app(
+        "flowrl Tinker API",
+        service.keys,
+        service.limits,
+        open_paths=OPEN_PATHS,
+        open_prefixes=(f"{API}/external_weights/",),  # signed downloads (export.py)
+    )
     app.state.service = service
 
     @app.exception_handler(TinkerInputError)
@@ -50,8 +59,10 @@ def create_app(service: TinkerService) -> FastAPI:
         _sampling_routes,
         _future_routes,
         _run_routes,
+        _copy_routes,
     ):
         add(app, service)
+    export_routes(app, service.exports, API)
     return app
 
 
@@ -149,6 +160,20 @@ def save_for_sampler_verb(service: TinkerService, ns: str | None, raw: bytes) ->
     return service.calls.journaled(ns, verb, req.model_id, req.seq_id, raw, answer)
 
 
+def save_external_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
+    from tinker import types as t
+
+    req = _parse(t.SaveWeightsExternalRequest, _json(raw))
+
+    def answer() -> dict:
+        model = service.registry.model(ns, req.model_id)
+        rid = service.exports.save(model, req.path, req.ttl_seconds, req.age_encryption_recipients)
+        return _future(rid, model.model_id)
+
+    verb = "save_weights_external"
+    return service.calls.journaled(ns, verb, req.model_id, req.seq_id, raw, answer)
+
+
 def asample_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
     from tinker import types as t
 
@@ -187,6 +212,7 @@ VERBS = {
     "optim_step": optim_step_verb,
     "save_weights": save_weights_verb,
     "save_weights_for_sampler": save_for_sampler_verb,
+    "save_weights_external": save_external_verb,
     "asample": asample_verb,
 }
 
@@ -257,8 +283,18 @@ def _session_routes(app: FastAPI, service: TinkerService) -> None:
     @app.post(f"{API}/sessions/{{session_id}}/finish")
     async def finish(request: Request, session_id: str) -> Response:
         session = service.registry.session(request.state.namespace, session_id, live=False)
-        await asyncio.to_thread(service.registry.end_session, session, "finished by the client")
+        status = finish_status(await _body(request))
+        end = service.registry.end_session
+        await asyncio.to_thread(end, session, "finished by the client", status)
         return _null()
+
+    @app.post(f"{API}/sessions/search")
+    async def search(request: Request) -> dict:
+        req = _parse(t.SessionSearchRequest, await _body(request))
+        with service.lock:
+            sessions = list(service.registry.sessions.values())
+        ns = request.state.namespace
+        return await asyncio.to_thread(search_sessions, sessions, service.checkpoints, ns, req)
 
     @app.get(f"{API}/sessions")
     async def sessions(request: Request, limit: int = 20, offset: int = 0) -> dict:
@@ -292,7 +328,11 @@ def _model_routes(app: FastAPI, service: TinkerService) -> None:
         return {
             "type": "get_info",
             "model_id": model.model_id,
-            "model_data": {"arch": "lora", "model_name": model.base_model, "tokenizer_id": None},
+            "model_data": {
+                "arch": "lora",
+                "model_name": model.base_model,
+                "tokenizer_id": model.base_model,  # the catalogue's name, its tokenizer's Hub id
+            },
             "is_lora": True,
             "lora_rank": model.lora.r,
             "model_name": model.base_model,
@@ -350,6 +390,10 @@ def _training_routes(app: FastAPI, service: TinkerService) -> None:
     @app.post(f"{API}/save_weights")
     async def save_weights(request: Request) -> dict:
         return save_weights_verb(service, request.state.namespace, await request.body())
+
+    @app.post(f"{API}/save_weights_external")
+    async def save_weights_external(request: Request) -> dict:
+        return save_external_verb(service, request.state.namespace, await request.body())
 
     @app.post(f"{API}/save_weights_for_sampler")
     async def save_for_sampler(request: Request) -> dict:
@@ -456,6 +500,39 @@ def _run_view(run: dict, checkpoints: list[dict]) -> dict:
         "last_sampler_checkpoint": _checkpoint_view(last["sampler"]),
         "user_metadata": run.get("user_metadata") or None,
     }
+
+
+def _copy_routes(app: FastAPI, service: TinkerService) -> None:
+    """``copy_weights``: a checkpoint copied into a new run that holds only it."""
+    from tinker import types as t
+
+    copies: dict[tuple[str | None, str], str] = {}  # (namespace, idempotency key) -> path
+
+    @app.post(f"{API}/copy_weights")
+    async def copy_weights(request: Request) -> dict:
+        req = _parse(t.CopyWeightsRequest, await _body(request))
+        if req.weights_access_token or request.headers.get("x-tinker-weights-access-token"):
+            raise ServiceError(400, "weights_access_token is not supported here (no accounts)")
+        ns, key = request.state.namespace, request.headers.get("x-idempotency-key", "")[:200]
+        if key and (ns, key) in copies:  # the SDK's retry of a copy made
+            return {"tinker_path": copies[ns, key]}
+        run_id, project = _copy_target(service, ns, req)
+        copy = service.checkpoints.copy
+        path = await asyncio.to_thread(copy, ns, req.source_path, run_id, project, req.ttl_seconds)
+        if key:
+            copies[ns, key] = path
+        return {"tinker_path": path}
+
+
+def _copy_target(service: TinkerService, ns: str | None, req: Any) -> tuple[str, str | None]:
+    """The new run's id and project: the session's next slot and project, or a run of its own
+    in the project named."""
+    if req.session_id is not None and req.model_seq_id is not None:
+        project = service.registry.session(ns, req.session_id).project_id
+        return f"{req.session_id}:train:{req.model_seq_id}", project
+    if req.destination_project_id is not None and req.session_id is None:
+        return f"{secrets.token_hex(8)}:train:0", req.destination_project_id
+    raise ServiceError(400, "give destination_project_id, or both session_id and model_seq_id")
 
 
 def _run_routes(app: FastAPI, service: TinkerService) -> None:

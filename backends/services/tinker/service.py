@@ -32,6 +32,7 @@ from flowrl.backends.policy.placement import InProcess, Placement, place
 from flowrl.backends.policy.tinker_handles import ray_cluster_gone
 from flowrl.backends.services.tinker.calls import Calls
 from flowrl.backends.services.tinker.checkpoints import Checkpoints
+from flowrl.backends.services.tinker.export import Exports
 from flowrl.backends.services.tinker.journal import Journal, pending
 from flowrl.backends.services.tinker.registry import Registry
 from flowrl.backends.services.tinker.sampling import Sampling
@@ -83,6 +84,7 @@ class TinkerService:
         self.calls = Calls(self.lock, journal)
         self.registry = Registry(placement, self.catalogue, self.limits, self.storage, self.calls)
         self.checkpoints = Checkpoints(self.storage, self.registry)
+        self.exports = Exports(self.checkpoints)
         self.training = Training(self.registry, self.checkpoints)
         self.sampling = Sampling(sampler_placement, self.registry, self.checkpoints)
         self.sessions = self.registry.sessions  # by id (tests and tools read them)
@@ -164,6 +166,8 @@ class TinkerService:
         live = pending(self.journal.read())
         for e in live.sessions.values():
             session = Session(e["session_id"], e["ns"], e.get("display_name"), e.get("meta") or {})
+            session.project_id = e.get("project_id")
+            session.created_at = e.get("created_at") or session.created_at
             self.sessions[session.session_id] = session
         for e in live.losses.values():
             loss = compile_loss(e["name"], e["inputs"], e["graph"])

@@ -43,6 +43,12 @@ class Session:
     ended: str | None = None
     losses: dict[str, CustomLoss] = field(default_factory=dict)
     """Its clients' uploaded losses (``create_custom_loss``) by loss id."""
+    project_id: str | None = None
+    """The project its client named (``ServiceClient(project_id=…)``); searches filter by it."""
+    created_at: float = field(default_factory=lambda: round(time.time(), 6))  # µs, as listed
+    status: dict[str, Any] | None = None
+    """How it ended, as the SDK's ``SessionStatus`` (a client's finish and its reason); None
+    while it runs, or when it ended otherwise (no heartbeat, the server stopped)."""
 
 
 @dataclass
