@@ -884,10 +884,13 @@ def test_checkpoint_ttls_and_publishing(server: Server) -> None:
         ).result()
 
 
-def test_sessions_are_searched_by_name_project_metadata_and_status(server: Server) -> None:
+def test_sessions_are_searched_by_name_project_metadata_and_status(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``search_sessions`` finds a key's own sessions, newest first: by display name (each
     word, any case) or id, project, user metadata, and status (running, or how its client
-    closed it); a page at a time through ``next_cursor``; another key's never."""
+    closed it); a page at a time through ``next_cursor``; another key's never. A session
+    keeps its client's tags (``TINKER_TAGS``)."""
     from tinker.types import (
         ActiveSessionStatusQuery,
         ClientFinishedSessionStatusQuery,
@@ -908,7 +911,9 @@ def test_sessions_are_searched_by_name_project_metadata_and_status(server: Serve
         client.create_lora_training_client(BASE, rank=2, seed=1).result()
         return client
 
+    monkeypatch.setenv("TINKER_TAGS", "rl,nightly")
     nightly = opened("Nightly math RL", "proj-a")
+    monkeypatch.delenv("TINKER_TAGS")
     sweep = opened("lr sweep", "proj-b")
     crashed = opened("nightly code RL", None)
     crashed.close("errored", "out of memory").result()
@@ -937,6 +942,12 @@ def test_sessions_are_searched_by_name_project_metadata_and_status(server: Serve
     last = rest.search_sessions(rest_page).result()
     assert [s.display_name for s in last.sessions] == ["Nightly math RL"]
     assert last.next_cursor is None and last.sessions[0].owner == done.owner
+    shown = httpx.get(
+        f"{server.url}/api/v1/sessions/{last.sessions[0].session_id}",
+        headers={"X-API-Key": ALICE},
+        timeout=30,
+    )
+    assert shown.json()["tags"] == ["nightly", "rl"]
 
     bob = server.client(BOB).create_rest_client()
     assert (

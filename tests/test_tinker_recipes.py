@@ -94,6 +94,7 @@ STRAWBERRY = [  # rl_loop's one-shot example, as its prompt starts
     },
 ]
 SUFFIX = " Provide a numerical answer without units, written inside \\boxed{}."
+MATH_ENV_SUFFIX = " Write your answer in \\boxed{} format."  # math_rl's MathEnv asks so
 FOURS = [f"What is {a} + {4 - a}?" for a in range(5)]
 FOURS += [f"What is {a + 4} - {a}?" for a in range(1, 6)]
 """gsm8k's stand-in for rl_loop: ten questions whose answer is 4."""
@@ -115,17 +116,18 @@ def untie(folder: str) -> None:
 
 
 def teach_to_guess(folder: str) -> None:
-    """Teach the fixture to answer rl_loop's prompts (its one-shot example, a question, the
-    suffix) with ``\\boxed{k}``, k drawn from ``GUESSES``; only RL can tell it which k is
-    right."""
+    """Teach the fixture to answer rl_loop's and math_rl's gsm8k prompts (their one-shot
+    example, whose suffix differs, a question, the suffix) with ``\\boxed{k}``, k drawn from
+    ``GUESSES``; only RL can tell it which k is right."""
     from flowrl.backends.models.chat import HFChatFormat
 
     chat = HFChatFormat.from_folder(folder)
-    prefix = [{**m, "content": m["content"].replace("{suffix}", SUFFIX)} for m in STRAWBERRY]
     tokens, masks = [], []
     for i, question in enumerate(FOURS * 2):
-        prompt = chat.encode_prompt([*prefix, {"role": "user", "content": question + SUFFIX}])
-        reply = chat.encode_reply(f"<think>\n\n</think>\n\n\\boxed{{{GUESSES[i % 4]}}}")
+        suffix = (SUFFIX, MATH_ENV_SUFFIX)[i % 2]  # each asks in its own words, twice
+        opening = [{**m, "content": m["content"].replace("{suffix}", suffix)} for m in STRAWBERRY]
+        prompt = chat.encode_prompt([*opening, {"role": "user", "content": question + suffix}])
+        reply = chat.encode_reply(f"<think>\n\n</think>\n\n\\boxed{{{GUESSES[i // 2 % 4]}}}")
         tokens.append(prompt + reply)
         masks.append([0] * len(prompt) + [1] * len(reply))
     teach(folder, tokens, masks, steps=120)
@@ -160,7 +162,7 @@ def datasets_of_the_hub() -> list[dict[str, Any]]:
                 "rejected": f"{question} I refuse to answer that.",
             }
         )
-    fours = [{"question": q, "answer": f"{q[8:-1]} = 4\n#### 4"} for q in FOURS * 4]
+    fours = [{"question": q, "answer": f"{q[8:-1]} = 4\n#### 4"} for q in FOURS * 8]
     words = "the cat sat after the rain before the war although it was late against the wall"
     pages = [" ".join(rng.choice(words.split()) for _ in range(60)) for _ in range(200)]
     return [
@@ -452,3 +454,33 @@ def test_weights_download_and_merge_generate_as_the_sampler(cookbook: Cookbook) 
     mine = logprobs.gather(1, torch.tensor(served.tokens)[:, None])[:, 0]
     assert torch.allclose(mine, torch.tensor(served.logprobs), atol=1e-4)
     client.close("success").result()
+
+
+def test_math_rl_async_raises_the_reward(cookbook: Cookbook) -> None:
+    """``recipes/math_rl/train.py`` on gsm8k with its async loop (``max_steps_off_policy=2``:
+    sampling runs up to two steps ahead of training, on older weights): the fixture that
+    guesses ``\\boxed{3..6}`` learns that the answer is 4."""
+    log = cookbook.home / "math-rl"
+    cookbook.run(
+        "math_rl.train",
+        None,
+        f"base_url={cookbook.url}",
+        f"model_name={BASE}",
+        f"log_path={log}",
+        "env=gsm8k",
+        "lora_rank=8",
+        "group_size=8",
+        "groups_per_batch=4",
+        "max_tokens=24",
+        "learning_rate=2e-3",
+        "max_steps=17",
+        "max_steps_off_policy=2",
+        "loss_fn=ppo",
+        "eval_every=0",
+        "save_every=0",
+        "behavior_if_log_dir_exists=delete",
+    )
+    reward = [m["env/all/reward/total"] for m in metrics(log) if "env/all/reward/total" in m]
+    print(json.dumps({"math_rl_reward": reward}))  # shown with -s
+    assert len(reward) >= 8, reward  # the async loop logs the steps it trained
+    assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.15, reward

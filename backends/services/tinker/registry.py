@@ -64,18 +64,22 @@ class Registry:
         project = body.get("project_id")
         if project is not None and (not isinstance(project, str) or not 0 < len(project) <= 200):
             raise ServiceError(400, "project_id must be a string of 1 to 200 characters")
+        tags = body.get("tags") or []
+        if not isinstance(tags, list) or len(tags) > 64:
+            raise ServiceError(400, "tags must be a list of at most 64 strings")
         s = Session(
             session_id,
             namespace,
             body.get("display_name"),
             {str(k): str(v) for k, v in meta.items()},
+            tags=sorted({str(t)[:200] for t in tags}),
             project_id=project,
         )
         with self.lock:
             self.sessions[session_id] = s
         entry = {"op": "session", "session_id": session_id, "ns": namespace}
         entry |= {"display_name": s.display_name, "meta": s.user_metadata}
-        self.calls.note(entry | {"project_id": project, "created_at": s.created_at})
+        self.calls.note(entry | {"tags": s.tags, "project_id": project, "created_at": s.created_at})
         return session_id
 
     def session(self, namespace: str | None, session_id: Any, live: bool = True) -> Session:

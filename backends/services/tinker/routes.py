@@ -309,6 +309,7 @@ def _session_routes(app: FastAPI, service: TinkerService) -> None:
             "sampler_ids": list(s.samplers),
             "user_metadata": s.user_metadata or None,
             "display_name": s.display_name,
+            "tags": s.tags,
         }
 
 

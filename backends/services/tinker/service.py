@@ -166,7 +166,7 @@ class TinkerService:
         live = pending(self.journal.read())
         for e in live.sessions.values():
             session = Session(e["session_id"], e["ns"], e.get("display_name"), e.get("meta") or {})
-            session.project_id = e.get("project_id")
+            session.project_id, session.tags = e.get("project_id"), e.get("tags") or []
             session.created_at = e.get("created_at") or session.created_at
             self.sessions[session.session_id] = session
         for e in live.losses.values():

@@ -43,6 +43,8 @@ class Session:
     ended: str | None = None
     losses: dict[str, CustomLoss] = field(default_factory=dict)
     """Its clients' uploaded losses (``create_custom_loss``) by loss id."""
+    tags: list[str] = field(default_factory=list)
+    """Its client's tags (``TINKER_TAGS``), shown with it (``GET sessions/{id}``)."""
     project_id: str | None = None
     """The project its client named (``ServiceClient(project_id=…)``); searches filter by it."""
     created_at: float = field(default_factory=lambda: round(time.time(), 6))  # µs, as listed
