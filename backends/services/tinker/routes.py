@@ -34,6 +34,8 @@ from flowrl.infra.serving import ServiceError, error_response, guarded_app
 API = "/api/v1"
 OPEN_PATHS = (f"{API}/healthz", f"{API}/client/config", f"{API}/client/dynamic_config")
 NULL = b"null"
+MAX_COPY_KEYS = 4096
+"""``copy_weights`` idempotency keys remembered (a client sending new ones cannot grow it)."""
 
 
 def create_app(service: TinkerService) -> FastAPI:
@@ -522,6 +524,8 @@ def _copy_routes(app: FastAPI, service: TinkerService) -> None:
         path = await asyncio.to_thread(copy, ns, req.source_path, run_id, project, req.ttl_seconds)
         if key:
             copies[ns, key] = path
+            if len(copies) > MAX_COPY_KEYS:  # the oldest first: retries come within minutes
+                copies.pop(next(iter(copies)))
         return {"tinker_path": path}
 
 
