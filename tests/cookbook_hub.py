@@ -7,7 +7,8 @@ reads). Reads one JSON job on stdin::
     {"home": HF_HOME,
      "models": {"Qwen/Qwen3-8B": "/folder/of/a/tiny/fixture", ...},
      "datasets": [{"repo": "openai/gsm8k", "config": "main",
-                   "splits": {"train": [row, ...], "test": [row, ...]}}, ...]}
+                   "splits": {"train": [row, ...], "test": [row, ...]},
+                   "features": {"image": "image", "label": {"names": [...]}}}, ...]}
 
 - a model becomes a Hub snapshot (``hub/models--<org>--<name>/snapshots/<sha>``, ``refs/main``)
   of the fixture's tokenizer and config files, which ``AutoTokenizer.from_pretrained(name)``
@@ -52,8 +53,17 @@ def put_model(home: Path, repo: str, folder: str) -> None:
     (root / "refs" / "main").write_text(COMMIT)
 
 
-def put_dataset(repo: str, config: str, splits: dict[str, list[dict[str, Any]]]) -> None:
-    """The rows as ``datasets``' prepared cache of ``repo`` / ``config``."""
+def put_dataset(
+    repo: str,
+    config: str,
+    splits: dict[str, list[dict[str, Any]]],
+    features: dict[str, Any] | None = None,
+) -> None:
+    """The rows as ``datasets``' prepared cache of ``repo`` / ``config``. ``features`` types
+    columns: ``"image"`` (the rows hold base64 PNG/JPEG), or ``{"names": [...]}`` (a class
+    label, the rows hold its index); other columns are inferred."""
+    import base64
+
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -61,18 +71,36 @@ def put_dataset(repo: str, config: str, splits: dict[str, list[dict[str, Any]]])
     from datasets.naming import camelcase_to_snakecase
     from datasets.packaged_modules.parquet.parquet import Parquet
 
+    typed = None
+    if features:
+        kinds = {
+            column: datasets.Image()
+            if kind == "image"
+            else datasets.ClassLabel(names=kind["names"])
+            for column, kind in features.items()
+        }
+        images = [column for column, kind in features.items() if kind == "image"]
+        for rows in splits.values():
+            for row in rows:
+                for column in images:
+                    row[column] = {"bytes": base64.b64decode(row[column]), "path": None}
+        typed = datasets.Features(kinds)
     namespace, name = repo.split("/")
     with tempfile.TemporaryDirectory() as tmp:
         files = {}
         for split, rows in splits.items():
             path = os.path.join(tmp, f"{split}.parquet")
-            pq.write_table(pa.Table.from_pylist(rows), path)
+            table = pa.Table.from_pylist(rows)
+            if typed is not None:
+                table = table.cast(typed.arrow_schema)
+            pq.write_table(table, path)
             files[split] = [path]
         builder = Parquet(
             cache_dir=os.path.join(tmp, "cache"),
             data_files=DataFilesDict.from_patterns(files, base_path=tmp),
             dataset_name=name,
             config_name=config,
+            features=typed,
         )
         builder.download_and_prepare()
         cache = Path(datasets.config.HF_DATASETS_CACHE)
@@ -90,7 +118,8 @@ def main() -> None:
     for repo, folder in job.get("models", {}).items():
         put_model(home, repo, folder)
     for entry in job.get("datasets", []):
-        put_dataset(entry["repo"], entry.get("config", "default"), entry["splits"])
+        config = entry.get("config", "default")
+        put_dataset(entry["repo"], config, entry["splits"], entry.get("features"))
 
 
 if __name__ == "__main__":

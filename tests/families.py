@@ -508,3 +508,90 @@ def teach(folder: str, conversations: list[list[int]], masks: list[list[int]], s
     model.eval()
     model.save_pretrained(folder)
     return float(loss.detach())
+
+
+VISION_SPECIALS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN3_VL = Family(
+    "qwen3_vl",
+    "qwen3",
+    (*QWEN_SPECIALS, *VISION_SPECIALS),
+    FAMILIES["qwen3"].tags,
+    QWEN3_TEMPLATE,
+    eos="<|im_end|>",
+    generation_eos=("<|im_end|>", "<|endoftext|>"),
+    pad="<|endoftext|>",
+)
+"""Qwen3's chat format with Qwen-VL's vision tokens, each one token (the cookbook's
+``qwen3_vl_instruct`` renderer wraps an image in ``<|vision_start|>`` … ``<|vision_end|>``)."""
+
+
+def build_qwen3_vl(out_dir: str | Path, seed: int = 0) -> str:
+    """A tiny random-weight Qwen3-VL (a 2-block vision tower, 16-pixel patches merged 2x2: a
+    64x64 image is 4 tokens; the ``qwen3_vl`` family's tokenizer) and its image processor (the
+    PIL one), in ``out_dir``: ``AutoModelForImageTextToText`` and ``AutoImageProcessor`` load
+    it, as the cookbook's renderer does."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(QWEN3_VL)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN3_VL.specials}
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rope_scaling={
+            "rope_type": "default",
+            "mrope_section": [2, 3, 3],
+            "mrope_interleaved": True,
+        },
+        eos_token_id=ids["<|im_end|>"],
+        pad_token_id=ids["<|endoftext|>"],
+    )
+    vision = dict(
+        depth=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=16,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        num_position_embeddings=64,
+        deepstack_visual_indexes=[1],
+    )
+    config = Qwen3VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3VLForConditionalGeneration(config)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    Qwen2VLImageProcessorPil(
+        patch_size=16,
+        merge_size=2,
+        temporal_patch_size=2,
+        min_pixels=32 * 32,
+        max_pixels=128 * 128,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+    ).save_pretrained(out)
+    eos = [ids[t] for t in QWEN3_VL.generation_eos]
+    generation = {"eos_token_id": eos, "pad_token_id": ids["<|endoftext|>"]}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    return str(out)

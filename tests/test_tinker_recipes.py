@@ -19,6 +19,8 @@ comes to prefer the chosen answers. docs/tinker.md's recipe table lists every re
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import random
@@ -29,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from families import FAMILIES, Family, build_family, teach
+from families import FAMILIES, Family, build_family, build_qwen3_vl, teach
 from services import TinkerServer
 
 from flowrl.backends.policy.placement import InProcess
@@ -42,6 +44,10 @@ HUB = Path(__file__).with_name("cookbook_hub.py")
 KEY = "tml-recipes-" + "r" * 24
 BASE = "Qwen/Qwen3-8B"
 DEEPSEEK = "deepseek-ai/DeepSeek-V3.1"
+VL = "Qwen/Qwen3-VL-30B-A3B-Instruct"
+PHOTOS = {"sunflower": (230, 200, 40), "airplanes": (60, 120, 230)}
+"""caltech101's stand-in for vlm_classifier: two classes, each photo a 64x64 field of its
+class's color, jittered."""
 
 _S = chr(65372)  # DeepSeek's full-width bar: <｜User｜>
 DEEPSEEK_SPECIALS = tuple(
@@ -163,6 +169,7 @@ def datasets_of_the_hub() -> list[dict[str, Any]]:
             }
         )
     fours = [{"question": q, "answer": f"{q[8:-1]} = 4\n#### 4"} for q in FOURS * 8]
+    photos = {"train": photos_of(rng, 8), "test": photos_of(rng, 4)}
     words = "the cat sat after the rain before the war although it was late against the wall"
     pages = [" ".join(rng.choice(words.split()) for _ in range(60)) for _ in range(200)]
     return [
@@ -182,7 +189,26 @@ def datasets_of_the_hub() -> list[dict[str, Any]]:
             "config": "default",
             "splits": {"train": comparisons[:48], "test": comparisons[48:]},
         },
+        {
+            "repo": "dpdl-benchmark/caltech101",
+            "splits": photos,
+            "features": {"image": "image", "label": {"names": list(PHOTOS)}},
+        },
     ]
+
+
+def photos_of(rng: random.Random, per_class: int) -> list[dict[str, Any]]:
+    """``per_class`` photos of each ``PHOTOS`` class (base64 PNG, the label's index)."""
+    from PIL import Image
+
+    rows = []
+    for label, rgb in enumerate(PHOTOS.values()):
+        for _ in range(per_class):
+            color = tuple(min(255, max(0, c + rng.randint(-20, 20))) for c in rgb)
+            buffer = io.BytesIO()
+            Image.new("RGB", (64, 64), color).save(buffer, format="PNG")
+            rows.append({"image": base64.b64encode(buffer.getvalue()).decode(), "label": label})
+    return rows
 
 
 @dataclass
@@ -244,7 +270,11 @@ def cookbook(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cookbook]:
     folder = build_family(FAMILIES["qwen3"], root / "qwen3")
     teach_to_guess(folder)
     untie(folder)
-    models = {BASE: folder, DEEPSEEK: build_family(DEEPSEEK_FAMILY, root / "deepseek")}
+    models = {
+        BASE: folder,
+        DEEPSEEK: build_family(DEEPSEEK_FAMILY, root / "deepseek"),
+        VL: build_qwen3_vl(root / "qwen3-vl"),
+    }
     hf_home = root / "hf"
     job = {"home": str(hf_home), "models": models, "datasets": datasets_of_the_hub()}
     filled = subprocess.run(
@@ -484,3 +514,36 @@ def test_math_rl_async_raises_the_reward(cookbook: Cookbook) -> None:
     print(json.dumps({"math_rl_reward": reward}))  # shown with -s
     assert len(reward) >= 8, reward  # the async loop logs the steps it trained
     assert sum(reward[-3:]) / 3 > sum(reward[:3]) / 3 + 0.15, reward
+
+
+def test_vlm_classifier_learns_to_name_the_photos(cookbook: Cookbook) -> None:
+    """``recipes/vlm_classifier/train`` (caltech101: image chunks in training, its NLL evaluator
+    and its sampling evaluator) on a tiny Qwen3-VL: the classes' names are learned from the
+    photos alone, so its test accuracy rises from 0 to all."""
+    out = cookbook.home / "vlm"
+    cookbook.run(
+        "vlm_classifier.train",
+        None,
+        f"experiment_dir={out}",
+        f"base_url={cookbook.url}",
+        f"model_name={VL}",
+        "renderer_name=qwen3_vl_instruct",
+        "batch_size=8",
+        "num_epochs=60",
+        "learning_rate=1e-2",
+        "lr_schedule=constant",
+        "lora_rank=8",
+        "eval_every=30",
+        "save_every=100",
+        "infrequent_eval_every=100",
+        "n_eval=8",
+        "max_tokens=16",
+        timeout=600,
+    )
+    (log,) = list(out.iterdir())
+    rows = metrics(log)
+    evals = [r for r in rows if "accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 30, 60, 90], evals
+    assert evals[0]["accuracy"] == 0.0, evals  # a random model names nothing
+    assert evals[-1]["accuracy"] >= 0.875, evals
+    assert evals[-1]["test/nll"] < 0.1 * evals[0]["test/nll"], evals

@@ -57,8 +57,10 @@ from flowrl.backends.engines.tinker.scoring import score_prompt
 from flowrl.backends.engines.tinker.types import (
     DEFAULT_CLIP,
     DEFAULT_DRO_BETA,
+    IMAGE_SLOT,
     Datum,
     ForwardOutput,
+    ImageInput,
     PromptScoring,
     SampledSequence,
     SampleOutput,
@@ -67,6 +69,7 @@ from flowrl.backends.engines.tinker.types import (
     check_batch,
     check_tokens,
 )
+from flowrl.backends.engines.tinker.vision import Vision, vision_kwargs
 from flowrl.backends.models.model_folder import load_causal_lm, load_tokenizer
 from flowrl.backends.types import LoraSettings
 
@@ -99,6 +102,7 @@ class SharedBase:
         self.context_length = int(getattr(self.base.config, "max_position_embeddings", 0) or 0)
         self.tokenizer = loaded[1] or load_tokenizer(base_path)
         self.eos_ids = _eos_ids(self.base, self.tokenizer)
+        self.vision = Vision.of(base_path, self.base)
         self.peft: Any = None
         self.lock = threading.RLock()
         self.resident: OrderedDict[str, TinkerModel] = OrderedDict()  # least recently used first
@@ -242,7 +246,7 @@ class TinkerModel:
         metrics beside ``loss:sum``."""
         needs = None if custom is None else custom.inputs[1:]
         check_batch(data, loss_fn, config or {}, self.vocab_size, custom_inputs=needs)
-        ids, mask, inputs = self._batch(data)
+        ids, mask, inputs = _batch(data, self.device)
         context = torch.no_grad() if forward_only else contextlib.nullcontext()
         metrics: dict[str, float] = {}
         targets = inputs["target_tokens"].long()
@@ -250,7 +254,8 @@ class TinkerModel:
         if targets.ndim == 3:  # (top-k) distillation targets: K per position
             mask = mask[..., None].expand_as(targets).contiguous()
         with self.base.use(self), context:
-            logits = self.model(input_ids=ids, attention_mask=attention).logits
+            extra = vision_kwargs(self.base.vision, ids, [d.images for d in data])
+            logits = self.model(input_ids=ids, attention_mask=attention, **extra).logits
             if targets.ndim == 3:
                 logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets) * mask
             else:
@@ -274,28 +279,6 @@ class TinkerModel:
                 out["elementwise_loss"] = elementwise[i, :n].detach().cpu().numpy()
             outputs.append(out)
         return ForwardOutput(outputs, {"loss:sum": float(loss.detach()), **metrics})
-
-    def _batch(self, data: Sequence[Datum]) -> tuple[torch.Tensor, torch.Tensor, dict]:
-        width = max(len(d.tokens) for d in data)
-        ids = torch.zeros((len(data), width), dtype=torch.long)
-        mask = torch.zeros((len(data), width), dtype=torch.float32)
-        trailing = {k: v.shape[1:] for d in data for k, v in d.inputs.items()}
-        inputs = {
-            k: torch.zeros((len(data), width, *rest), dtype=torch.float32)
-            for k, rest in trailing.items()
-        }
-        inputs["target_tokens"] = inputs["target_tokens"].long()
-        for i, d in enumerate(data):
-            n = len(d.tokens)
-            ids[i, :n] = torch.tensor(d.tokens, dtype=torch.long)
-            mask[i, :n] = 1.0
-            for k, v in d.inputs.items():
-                inputs[k][i, :n] = torch.from_numpy(np.array(v)).to(inputs[k].dtype)
-        return (
-            ids.to(self.device),
-            mask.to(self.device),
-            {k: v.to(self.device) for k, v in inputs.items()},
-        )
 
     def optim_step(
         self,
@@ -359,6 +342,7 @@ class TinkerModel:
         params: SampleParams,
         weights: str | None,
         prompt_logprobs: bool | PromptScoring = False,
+        images: Sequence[ImageInput] = (),
     ) -> SampleOutput:
         """``num_samples`` completions of ``prompt`` with the snapshot ``weights`` ("live": the
         adapter now; None: the base model alone), and what ``prompt_logprobs`` asks of the
@@ -369,7 +353,7 @@ class TinkerModel:
         if scoring.targets is not None:
             wanted = scoring.targets[scoring.targets != -1]
             check_tokens(wanted.tolist(), self.vocab_size, "target_prompt_logprobs")
-        check_tokens(prompt, self.vocab_size, "prompt")
+        check_tokens([t for t in prompt if t != IMAGE_SLOT], self.vocab_size, "prompt")
         if not prompt:
             raise TinkerInputError("prompt is empty")
         if self.context_length and len(prompt) + params.max_tokens > self.context_length:
@@ -382,7 +366,7 @@ class TinkerModel:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
         with self.base.use(self), self._weights(weights):
-            return _generate(self, prompt, num_samples, params, generator, scoring)
+            return _generate(self, prompt, images, num_samples, params, generator, scoring)
 
     @contextlib.contextmanager
     def _weights(self, key: str | None) -> Iterator[None]:
@@ -448,9 +432,34 @@ class TinkerModel:
             self.steps = 0
 
 
+def _batch(data: Sequence[Datum], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The data right-padded: token ids, a mask of real positions, each loss input."""
+    width = max(len(d.tokens) for d in data)
+    ids = torch.zeros((len(data), width), dtype=torch.long)
+    mask = torch.zeros((len(data), width), dtype=torch.float32)
+    trailing = {k: v.shape[1:] for d in data for k, v in d.inputs.items()}
+    inputs = {
+        k: torch.zeros((len(data), width, *rest), dtype=torch.float32)
+        for k, rest in trailing.items()
+    }
+    inputs["target_tokens"] = inputs["target_tokens"].long()
+    for i, d in enumerate(data):
+        n = len(d.tokens)
+        ids[i, :n] = torch.tensor(d.tokens, dtype=torch.long)
+        mask[i, :n] = 1.0
+        for k, v in d.inputs.items():
+            inputs[k][i, :n] = torch.from_numpy(np.array(v)).to(inputs[k].dtype)
+    return (
+        ids.to(device),
+        mask.to(device),
+        {k: v.to(device) for k, v in inputs.items()},
+    )
+
+
 def _generate(
     tinker: TinkerModel,
     prompt: list[int],
+    images: Sequence[ImageInput],
     n: int,
     params: SampleParams,
     generator: torch.Generator,
@@ -459,9 +468,10 @@ def _generate(
     """``n`` samples of ``prompt`` from ``tinker``'s model under its current weights, each
     stopping at a stop token or string, end of sequence, or ``params.max_tokens``."""
     ids = torch.tensor([prompt] * n, dtype=torch.long, device=tinker.device)
-    out = tinker.model(input_ids=ids, use_cache=True)
+    extra = vision_kwargs(tinker.base.vision, ids, [list(images)] * n)
+    out = tinker.model(input_ids=ids, use_cache=True, **extra)
     past = out.past_key_values
-    scored = score_prompt(out.logits[0, :-1].float(), prompt, scoring)
+    scored = score_prompt(out.logits[0, :-1].float(), ids[0].tolist(), scoring)
     logits = out.logits[:, -1, :].float()
     stops = set(params.stop_tokens) | set(tinker.eos_ids)  # end of sequence always stops
     tokens: list[list[int]] = [[] for _ in range(n)]

@@ -92,12 +92,86 @@ def read_tinker_lora(config: Mapping[str, Any]) -> tuple[LoraSettings, int | Non
     return tinker_lora(config["rank"], **{k: config[k] for k in flags}), config.get("seed")
 
 
+IMAGE_SLOT = -1
+"""A token position that an image's features fill (the base's image token id, on the worker)."""
+MAX_IMAGE_BYTES = 8 << 20
+MAX_IMAGE_PIXELS = 4096 * 4096
+MAX_IMAGE_TOKENS = 16384
+FORMATS = {"png": "PNG", "jpeg": "JPEG"}
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image of a datum or prompt: its encoded bytes and the tokens the client expects."""
+
+    data: bytes
+    format: str
+    expected_tokens: int
+
+
+def image_input(what: str, data: bytes, fmt: str, expected: int | None) -> ImageInput:
+    """An image chunk's fields, checked (a 400 naming ``what`` otherwise)."""
+    if fmt not in FORMATS:
+        raise TinkerInputError(f"{what}: image format {fmt!r} is not served (png, jpeg)")
+    if not data or len(data) > MAX_IMAGE_BYTES:
+        raise TinkerInputError(f"{what}: image of {len(data)} bytes (1..{MAX_IMAGE_BYTES})")
+    if expected is None or not 1 <= int(expected) <= MAX_IMAGE_TOKENS:
+        raise TinkerInputError(
+            f"{what}: an image chunk needs expected_tokens, 1..{MAX_IMAGE_TOKENS} (got {expected})"
+        )
+    _check_header(what, data, fmt)
+    return ImageInput(bytes(data), fmt, int(expected))
+
+
+def _check_header(what: str, data: bytes, fmt: str) -> None:
+    """The image's header says ``fmt`` and a size within ``MAX_IMAGE_PIXELS`` (read without
+    decoding the pixels: a decompression bomb is refused here, not expanded)."""
+    import io
+
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data), formats=[FORMATS[fmt]]) as opened:
+            width, height = opened.size
+    except Exception as e:  # noqa: BLE001 - PIL raises many kinds for bad bytes
+        why = "not an image of that format" if isinstance(e, UnidentifiedImageError) else e
+        raise TinkerInputError(f"{what}: the {fmt} image does not decode: {why}") from None
+    if width * height > MAX_IMAGE_PIXELS:
+        raise TinkerInputError(
+            f"{what}: image of {width}x{height} pixels (at most {MAX_IMAGE_PIXELS})"
+        )
+
+
+def model_input(what: str, chunks: Sequence[Any]) -> tuple[list[int], list[ImageInput]]:
+    """The tokens (``IMAGE_SLOT`` for image positions) and images of a ``ModelInput``'s chunks
+    as the SDK's types hold them (``encoded_text`` and ``image``; others refused)."""
+    tokens: list[int] = []
+    images: list[ImageInput] = []
+    for chunk in chunks:
+        kind = getattr(chunk, "type", None)
+        if kind == "encoded_text":
+            tokens.extend(int(t) for t in chunk.tokens)
+        elif kind == "image":
+            image = image_input(what, chunk.data, chunk.format, chunk.expected_tokens)
+            images.append(image)
+            tokens.extend([IMAGE_SLOT] * image.expected_tokens)
+        else:
+            raise TinkerInputError(f"{what}: chunk {kind!r} is not supported here")
+    return tokens, images
+
+
 @dataclass
 class Datum:
-    """One datum, decoded: its input tokens and its per-token loss inputs (1-D arrays)."""
+    """One datum, decoded: its input tokens (``IMAGE_SLOT`` where an image goes), its per-token
+    loss inputs (1-D arrays, or ``(n, K)``), and its images in order."""
 
     tokens: list[int]
     inputs: dict[str, np.ndarray]
+    images: list[ImageInput] = field(default_factory=list)
+
+    def text_tokens(self) -> list[int]:
+        """Its tokens but the image slots."""
+        return [t for t in self.tokens if t != IMAGE_SLOT] if self.images else self.tokens
 
 
 @dataclass
@@ -235,7 +309,7 @@ def check_batch(
     for i, datum in enumerate(data):
         if not datum.tokens:
             raise TinkerInputError(f"datum {i}: model_input is empty")
-        check_tokens(datum.tokens, vocab_size, f"datum {i}: model_input")
+        check_tokens(datum.text_tokens(), vocab_size, f"datum {i}: model_input")
         names = set(datum.inputs)
         missing = [k for k in ("target_tokens", *required) if k not in names]
         if missing:
@@ -329,7 +403,7 @@ def sample_params(params: Any) -> SampleParams:
 def check_fits(prompt: Sequence[int], params: SampleParams, info: Mapping[str, int]) -> None:
     """The prompt and stop tokens are in the model's vocabulary, and prompt + max_tokens fits
     its context."""
-    check_tokens(prompt, info["vocab_size"], "prompt")
+    check_tokens([t for t in prompt if t != IMAGE_SLOT], info["vocab_size"], "prompt")
     check_tokens(params.stop_tokens, info["vocab_size"], "stop")
     context = info["context_length"]
     if context and len(prompt) + params.max_tokens > context:
@@ -339,18 +413,6 @@ def check_fits(prompt: Sequence[int], params: SampleParams, info: Mapping[str, i
         )
 
 
-def prompt_tokens(prompt: Any) -> list[int]:
-    """A ``ModelInput``'s tokens: encoded-text chunks only."""
-    tokens: list[int] = []
-    for chunk in prompt.chunks:
-        if getattr(chunk, "type", None) != "encoded_text":
-            raise TinkerInputError(
-                f"prompt chunk {getattr(chunk, 'type', '?')!r} is not supported here"
-            )
-        tokens.extend(int(t) for t in chunk.tokens)
-    return tokens
-
-
 UNSUPPORTED_SAMPLE_OPTIONS = (
     "topk_sample_logprobs",
     "prompt_alt_tokens_k",
@@ -358,18 +420,20 @@ UNSUPPORTED_SAMPLE_OPTIONS = (
 )
 
 
-def check_sample_request(req: Any, max_samples: int) -> tuple[list[int], PromptScoring]:
-    """An ``asample`` request's options this server serves; its prompt tokens and what it asks
-    of them."""
+def check_sample_request(
+    req: Any, max_samples: int
+) -> tuple[list[int], list[ImageInput], PromptScoring]:
+    """An ``asample`` request's options this server serves; its prompt tokens (``IMAGE_SLOT``
+    where an image goes), its images and what it asks of them."""
     unsupported = [name for name in UNSUPPORTED_SAMPLE_OPTIONS if getattr(req, name, None)]
     if unsupported:
         raise TinkerInputError(f"not supported here: {', '.join(unsupported)}")
     if not 1 <= req.num_samples <= max_samples:
         raise TinkerInputError(f"num_samples must be 1..{max_samples}, got {req.num_samples}")
-    prompt = prompt_tokens(req.prompt)
+    prompt, images = model_input("prompt", req.prompt.chunks)
     if not prompt:
         raise TinkerInputError("the prompt is empty")
-    return prompt, prompt_scoring(req, len(prompt))
+    return prompt, images, prompt_scoring(req, len(prompt))
 
 
 def prompt_scoring(req: Any, length: int) -> PromptScoring:

@@ -293,3 +293,38 @@ def _expiry(ttl_seconds: Any) -> str | None:
             f"{ttl_seconds}",
         )
     return (datetime.now(UTC) + timedelta(seconds=ttl_seconds)).isoformat()
+
+
+CHECKPOINT_FIELDS = (
+    "checkpoint_id",
+    "checkpoint_type",
+    "time",
+    "tinker_path",
+    "size_bytes",
+    "user_metadata",
+    "public",
+    "expires_at",
+)
+
+
+def checkpoint_view(c: dict | None) -> dict | None:
+    """A checkpoint's record as the SDK's ``Checkpoint`` reads it."""
+    return None if c is None else {k: c.get(k) for k in CHECKPOINT_FIELDS}
+
+
+def run_view(run: dict, checkpoints: list[dict]) -> dict:
+    """A run's record and its last checkpoints, as the SDK's ``TrainingRun`` reads them."""
+    last: dict[str, dict | None] = {"training": None, "sampler": None}
+    for c in checkpoints:
+        last[c["checkpoint_type"]] = c
+    return {
+        "training_run_id": run["training_run_id"],
+        "base_model": run["base_model"],
+        "model_owner": run["model_owner"],
+        "is_lora": True,
+        "lora_rank": run["lora"]["rank"],
+        "last_request_time": run["created"],
+        "last_checkpoint": checkpoint_view(last["training"]),
+        "last_sampler_checkpoint": checkpoint_view(last["sampler"]),
+        "user_metadata": run.get("user_metadata") or None,
+    }

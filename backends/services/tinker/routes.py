@@ -25,6 +25,7 @@ from flowrl.backends.engines.tinker.types import (
     check_sample_request,
     sample_params,
 )
+from flowrl.backends.services.tinker.checkpoints import checkpoint_view, run_view
 from flowrl.backends.services.tinker.export import export_routes
 from flowrl.backends.services.tinker.search import finish_status, search_sessions
 from flowrl.backends.services.tinker.service import TinkerService
@@ -184,12 +185,13 @@ def asample_verb(service: TinkerService, ns: str | None, raw: bytes) -> dict:
         raise ServiceError(
             400, "asample needs a sampling_session_id (create a sampling client first)"
         )
-    prompt, scoring = check_sample_request(req, service.limits.max_samples)
+    prompt, images, scoring = check_sample_request(req, service.limits.max_samples)
     params = sample_params(req.sampling_params)
     n = req.num_samples
 
     def answer() -> dict:
-        rid = service.sampling.sample(ns, req.sampling_session_id, prompt, n, params, scoring)
+        sampler = req.sampling_session_id
+        rid = service.sampling.sample(ns, sampler, prompt, n, params, scoring, images)
         return _future(rid, None, sample_sequence_ids=[f"{rid}:{i}" for i in range(n)])
 
     return service.calls.journaled(ns, "asample", req.sampling_session_id, req.seq_id, raw, answer)
@@ -472,39 +474,6 @@ def _future_routes(app: FastAPI, service: TinkerService) -> None:
         return _null()
 
 
-CHECKPOINT_FIELDS = (
-    "checkpoint_id",
-    "checkpoint_type",
-    "time",
-    "tinker_path",
-    "size_bytes",
-    "user_metadata",
-    "public",
-    "expires_at",
-)
-
-
-def _checkpoint_view(c: dict | None) -> dict | None:
-    return None if c is None else {k: c.get(k) for k in CHECKPOINT_FIELDS}
-
-
-def _run_view(run: dict, checkpoints: list[dict]) -> dict:
-    last: dict[str, dict | None] = {"training": None, "sampler": None}
-    for c in checkpoints:
-        last[c["checkpoint_type"]] = c
-    return {
-        "training_run_id": run["training_run_id"],
-        "base_model": run["base_model"],
-        "model_owner": run["model_owner"],
-        "is_lora": True,
-        "lora_rank": run["lora"]["rank"],
-        "last_request_time": run["created"],
-        "last_checkpoint": _checkpoint_view(last["training"]),
-        "last_sampler_checkpoint": _checkpoint_view(last["sampler"]),
-        "user_metadata": run.get("user_metadata") or None,
-    }
-
-
 def _copy_routes(app: FastAPI, service: TinkerService) -> None:
     """``copy_weights``: a checkpoint copied into a new run that holds only it."""
     from tinker import types as t
@@ -550,7 +519,7 @@ def _run_routes(app: FastAPI, service: TinkerService) -> None:
         views = []
         for run in runs[offset : offset + max(0, limit)]:
             cps = await asyncio.to_thread(service.checkpoints.of_run, ns, run["training_run_id"])
-            views.append(_run_view(run, cps))
+            views.append(run_view(run, cps))
         cursor = {"offset": offset, "limit": limit, "total_count": len(runs)}
         return {"training_runs": views, "cursor": cursor}
 
@@ -559,12 +528,12 @@ def _run_routes(app: FastAPI, service: TinkerService) -> None:
         ns = request.state.namespace
         cps = await asyncio.to_thread(service.checkpoints.of_run, ns, run_id)
         run = await asyncio.to_thread(service.checkpoints.run_record, ns, run_id)
-        return _run_view(run, cps)
+        return run_view(run, cps)
 
     @app.get(f"{API}/training_runs/{{run_id}}/checkpoints")
     async def run_checkpoints(request: Request, run_id: str) -> dict:
         cps = await asyncio.to_thread(service.checkpoints.of_run, request.state.namespace, run_id)
-        return {"checkpoints": [_checkpoint_view(c) for c in cps]}
+        return {"checkpoints": [checkpoint_view(c) for c in cps]}
 
     @app.delete(f"{API}/training_runs/{{run_id}}/checkpoints/{{kind}}/{{name}}")
     async def delete_checkpoint(request: Request, run_id: str, kind: str, name: str) -> Response:
@@ -596,4 +565,4 @@ def _run_routes(app: FastAPI, service: TinkerService) -> None:
         every = await asyncio.to_thread(service.checkpoints.everything, request.state.namespace)
         page = every[offset : offset + max(0, limit)]
         cursor = {"offset": offset, "limit": limit, "total_count": len(every)}
-        return {"checkpoints": [_checkpoint_view(c) for c in page], "cursor": cursor}
+        return {"checkpoints": [checkpoint_view(c) for c in page], "cursor": cursor}

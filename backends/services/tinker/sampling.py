@@ -9,6 +9,7 @@ import secrets
 from typing import Any
 
 from flowrl.backends.engines.tinker.types import (
+    ImageInput,
     PromptScoring,
     SampleParams,
     check_fits,
@@ -221,12 +222,15 @@ class Sampling:
         n: int,
         params: SampleParams,
         scoring: PromptScoring,
+        images: list[ImageInput] | None = None,
     ) -> str:
         """Queue ``n`` samples of ``prompt`` on the sampler's model, with what ``scoring``
         asks of the prompt; the future's id (the caller's, also when the model is a shared pool
         model)."""
         sampler = self.sampler(namespace, sampler_id)
         beyond = scoring.topk or scoring.targets is not None or scoring.last_n
+        if self.engine_samples and images:
+            raise ServiceError(400, "image prompts are served by the hf sampler, not by vllm")
         if self.engine_samples and beyond:
             raise ServiceError(
                 400,
@@ -241,7 +245,7 @@ class Sampling:
 
         def work(handle: ModelHandle) -> bytes:  # the model checks prompt and context again
             return write_sample_response(
-                handle.call("sample", prompt, n, params, weights, prompt_logprobs)
+                handle.call("sample", prompt, n, params, weights, prompt_logprobs, images or [])
             )
 
         return self.registry.run_on(target, "sample", work, namespace=namespace)

@@ -15,10 +15,13 @@ from google.protobuf.message import DecodeError
 from tinker.proto import tinker_public_pb2 as pb
 
 from flowrl.backends.engines.tinker.types import (
+    IMAGE_SLOT,
     Datum,
     ForwardOutput,
+    ImageInput,
     SampleOutput,
     TinkerInputError,
+    image_input,
 )
 
 _NUMPY = {pb.DTYPE_FLOAT32: np.dtype(np.float32), pb.DTYPE_INT64: np.dtype(np.int64)}
@@ -78,8 +81,15 @@ def read_forward_backward(body: bytes) -> ForwardBackwardCall:
 
 def _datum(i: int, msg: pb.Datum) -> Datum:
     tokens: list[int] = []
+    images: list[ImageInput] = []
     for chunk in msg.model_input:
         kind = chunk.WhichOneof("chunk")
+        if kind == "image":
+            im = chunk.image
+            expected = im.expected_tokens if im.HasField("expected_tokens") else None
+            images.append(image_input(f"datum {i}", im.data, im.format, expected))
+            tokens.extend([IMAGE_SLOT] * images[-1].expected_tokens)
+            continue
         if kind != "encoded_text":
             raise TinkerInputError(f"datum {i}: model_input chunk {kind!r} is not supported here")
         raw = chunk.encoded_text.tokens
@@ -92,7 +102,7 @@ def _datum(i: int, msg: pb.Datum) -> Datum:
         name: _tensor(f"datum {i}: loss_fn_inputs[{name!r}]", t)
         for name, t in msg.loss_fn_inputs.items()
     }
-    return Datum(tokens, inputs)
+    return Datum(tokens, inputs, images)
 
 
 def _tensor(what: str, msg: pb.Tensor) -> np.ndarray:
