@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import io
+import itertools
 import json
 import os
 import random
@@ -189,6 +190,7 @@ def datasets_of_the_hub() -> list[dict[str, Any]]:
             "config": "default",
             "splits": {"train": comparisons[:48], "test": comparisons[48:]},
         },
+        {"repo": "zwhe99/DeepMath-103K", "splits": {"train": [{"question": q} for q in FOURS * 8]}},
         {
             "repo": "dpdl-benchmark/caltech101",
             "splits": photos,
@@ -547,3 +549,62 @@ def test_vlm_classifier_learns_to_name_the_photos(cookbook: Cookbook) -> None:
     assert evals[0]["accuracy"] == 0.0, evals  # a random model names nothing
     assert evals[-1]["accuracy"] >= 0.875, evals
     assert evals[-1]["test/nll"] < 0.1 * evals[0]["test/nll"], evals
+
+
+def _taught(cookbook: Cookbook, answers: tuple[int, ...]) -> Any:
+    """A training client of ``Qwen/Qwen3-8B`` with an adapter taught (30 SL steps through the
+    SDK) to answer each deepmath stand-in question with ``\\boxed{k}``, k one of ``answers``
+    about evenly."""
+    import tinker
+    from tinker import types
+
+    from flowrl.backends.models.chat import HFChatFormat
+
+    chat = HFChatFormat.from_folder(cookbook.folder)
+    data = []
+    for question, answer in itertools.product(FOURS, answers):
+        reply = chat.encode_reply(f"<think>\n\n</think>\n\n\\boxed{{{answer}}}")
+        prompt = chat.encode_prompt([{"role": "user", "content": question}])
+        tokens = prompt + reply
+        weights = [0.0] * (len(prompt) - 1) + [1.0] * len(reply)
+        data.append(
+            types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]),
+                loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights},
+            )
+        )
+    client = tinker.ServiceClient(base_url=cookbook.url, api_key=KEY)
+    trainer = client.create_lora_training_client(base_model=BASE, rank=8)
+    for _ in range(30):
+        trainer.forward_backward(data, "cross_entropy").result()
+        trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    return trainer
+
+
+def test_on_policy_distillation_brings_the_student_to_its_teacher(cookbook: Cookbook) -> None:
+    """``recipes/distillation/on_policy_distillation`` (deepmath's prompts; teacher and
+    student checkpoints on one base, taught to answer 4 and 7): the student's samples' KL to
+    the teacher (``teacher_kl``, the recipe's one signal) falls."""
+    teacher = _taught(cookbook, (4,)).save_weights_for_sampler("teacher").result().path
+    student = _taught(cookbook, (4, 7)).save_state("student").result().path
+    log = cookbook.home / "distill"
+    cookbook.run(
+        "distillation.on_policy_distillation",
+        log,
+        f"teacher_model={BASE}",
+        f"teacher_checkpoint={teacher}",
+        f"load_checkpoint_path={student}",
+        "dataset=deepmath",
+        "groups_per_batch=4",
+        "group_size=4",
+        "max_tokens=24",
+        "learning_rate=2e-3",
+        "lora_rank=8",
+        "max_steps=16",
+        "eval_every=0",
+        "save_every=0",
+    )
+    kl = [m["teacher_kl"] for m in metrics(log) if "teacher_kl" in m]
+    assert len(kl) == 16, kl
+    first, last = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
+    assert last < 0.6 * first, kl

@@ -43,8 +43,9 @@ LOSS_CONFIG: dict[str, tuple[str, ...]] = {
 }
 """The ``loss_fn_config`` keys each loss reads (any other key is refused)."""
 REFUSED_LOSSES = {
-    "stable_reinforce": "it needs the stability information a sampler records at sampling time "
-    "(record_stability_info, sequence_id), which this server's samplers do not record",
+    "stable_reinforce": "its objective is not published (hosted Tinker's alpha loss, computed "
+    "from stability information its samplers record: record_stability_info, sequence_id), so "
+    "this server cannot compute it; use ppo, cispo or importance_sampling",
 }
 """Losses the SDK names that this server refuses, with why."""
 
