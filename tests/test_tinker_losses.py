@@ -132,7 +132,8 @@ def test_gspo_takes_the_sequence_mask_it_is_given(base_dir: str) -> None:
 
 def test_stable_reinforce_is_refused_naming_why(base_dir: str) -> None:
     model = _model(base_dir, "m")
-    with pytest.raises(TinkerInputError, match="stable_reinforce.*not published.*record_stability_info"):
+    refused = "stable_reinforce.*not published.*record_stability_info"
+    with pytest.raises(TinkerInputError, match=refused):
         model.forward_backward(_data(0.0), "stable_reinforce", {})
     with pytest.raises(TinkerInputError, match=r"\['gamma'\] are not used by 'dro'"):
         model.forward_backward(_data(0.0), "dro", {"gamma": 1.0})
