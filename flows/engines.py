@@ -22,15 +22,12 @@ from typing import Any
 import ray
 from ray._private import auto_init_hook
 
-from flowrl.infra.niceness import RAY_WORKER_NICENESS, yield_cpu_to_workers
+from flowrl.infra.niceness import RAY_SYSTEM_CONFIG, yield_cpu_to_workers
 from flowrl.infra.servers import free_port
 from flowrl.infra.settings import RAY_NAMESPACE, get_settings
 
-LOCAL_RAY_SYSTEM_CONFIG = {
-    # Workers start when an actor asks for one: none sit idle beside the job.
-    "prestart_worker_first_driver": False,
-    "worker_niceness": RAY_WORKER_NICENESS,  # infra/niceness.py
-}
+LOCAL_RAY_SYSTEM_CONFIG = RAY_SYSTEM_CONFIG
+"""A local Ray's system config: the stack's head's (``infra.niceness``)."""
 
 
 RAY_WAIT_S = 45.0

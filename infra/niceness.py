@@ -21,6 +21,18 @@ import psutil
 RAY_WORKER_NICENESS = 0
 """Ray's ``worker_niceness`` for the Rays flowrl starts (Ray's default: 15)."""
 
+RAY_SYSTEM_CONFIG = {
+    "worker_niceness": RAY_WORKER_NICENESS,
+    # Workers start when a task or actor asks for one, one at a time: none sits idle beside
+    # the job. Ray's default starts a worker for its first driver, more for a backlog, and up
+    # to num_cpus at once for one lease (one job's one-off task started two, one never used:
+    # ~1.3 CPU s and a process that did nothing, benchmarks/cpu_tax.py).
+    "prestart_worker_first_driver": False,
+    "enable_worker_prestart": False,
+    "worker_maximum_startup_concurrency": 1,
+}
+"""The system config of every Ray flowrl starts: a job's local Ray and the stack's head."""
+
 _RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 _RAY_HELPER_SCRIPTS = ("/dashboard/dashboard.py", "/log_monitor.py", "/monitor.py")
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from flowrl.infra import objectstore
-from flowrl.infra.niceness import RAY_WORKER_NICENESS
+from flowrl.infra.niceness import RAY_SYSTEM_CONFIG
 from flowrl.infra.postgres import Postgres
 from flowrl.infra.scheduler import HEARTBEAT_SECONDS
 from flowrl.infra.servers import TEST_CREDENTIALS, free_port
@@ -172,7 +172,7 @@ def _ray(out: Layout, home: Path, gpus: int, num_cpus: int) -> None:
     cmd += ["--port", str(port), "--num-cpus", str(num_cpus)]
     cmd += ["--num-gpus", str(gpus), "--include-dashboard", "false"]
     cmd += ["--disable-usage-stats", "--temp-dir", ray_tmp]
-    cmd += ["--system-config", json.dumps({"worker_niceness": RAY_WORKER_NICENESS})]
+    cmd += ["--system-config", json.dumps(RAY_SYSTEM_CONFIG)]
     # `ray start --block` stops its processes on SIGINT (it ignores SIGTERM).
     program = Program(
         "ray",
