@@ -31,6 +31,14 @@ from flowrl.cli_parser import SERVICES, command_parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:  # the reader left (`flowrl jobs list | head -4`): stop, quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if len(argv) >= 2 and argv[0] == "serve" and argv[1] in SERVICES:
         return _serve(argv[1], argv[2:])

@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import Any
 from uuid import UUID
 
-from flowrl.infra.configfile import merge
+from flowrl.infra.configfile import ConfigError, merge
 from flowrl.infra.scheduler import RESUME_DELAY_SECONDS, RESUME_TAG, admit, load_scheduler
 
 
@@ -56,6 +56,36 @@ def requested_gpus(parameters: dict[str, Any]) -> int:
     if config is not None and hasattr(config, "resources"):
         return int(config.resources.gpus)
     return int(parameters.get("gpus", 0) or 0)
+
+
+def check_parameters(deployment: str, schema: dict[str, Any] | None, params: dict) -> None:
+    """Check a submission against the deployment's parameter schema (the JSON schema of the
+    flow's own config model, which Prefect's API enforces too) before anything is sent;
+    ``ConfigError`` naming each field that does not fit, one line each."""
+    if not schema:
+        return
+    import jsonschema
+
+    known = schema.get("properties") or {}
+    lines = [
+        f"  {key}: not a parameter here (expected one of {sorted(known)})"[:400]
+        for key in sorted(set(params) - set(known))
+    ]
+    validator = jsonschema.Draft7Validator(schema)
+    for error in sorted(validator.iter_errors(params), key=lambda e: list(map(str, e.path))):
+        where = ".".join(str(p) for p in error.absolute_path)
+        if error.validator == "additionalProperties":
+            allowed = sorted(error.schema.get("properties", {}))
+            extra = sorted(set(error.instance) - set(allowed))
+            for key in extra:
+                field = f"{where}.{key}" if where else key
+                lines.append(f"  {field}: not a field here (expected one of {allowed})"[:400])
+            continue
+        lines.append(f"  {where or '(parameters)'}: {error.message}"[:400])
+    if lines:
+        raise ConfigError(
+            f"the submission does not fit {deployment}'s parameters:\n" + "\n".join(lines)
+        )
 
 
 def _job_name(parameters: dict[str, Any]) -> str | None:
@@ -116,8 +146,9 @@ class JobClient:
 
         name = self.deployment_name(deployment)
         with self._client() as c:
-            defaults = c.read_deployment_by_name(name).parameters or {}
-        parameters = merge(defaults, parameters or {})
+            deployment = c.read_deployment_by_name(name)
+        parameters = merge(deployment.parameters or {}, parameters or {})
+        check_parameters(name, deployment.parameter_openapi_schema, parameters)
         gpus = requested_gpus(parameters)
         admit(gpus)
         # On Kubernetes the pod asks the node for the job's GPUs (base job template `gpus`).

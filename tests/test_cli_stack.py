@@ -203,3 +203,25 @@ def test_jobs_wait_asks_again_while_the_prefect_api_restarts():
     assert _api_restarting(httpx.ConnectError("refused", request=request))
     assert _api_restarting(answered(500)) and _api_restarting(answered(503))
     assert not _api_restarting(answered(404)) and not _api_restarting(ValueError("bad id"))
+
+
+def test_a_reader_that_leaves_ends_the_command_quietly(bare_user):
+    """``flowrl config … | head -1``: the reader closes the pipe before the command writes; the
+    command stops, exit 1, without a traceback or a BrokenPipeError."""
+    root, env = bare_user
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    config = Path(__file__).resolve().parents[1] / "configs" / "arithmetic.yaml"
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "flowrl", "config", str(config)],
+            cwd=root / "cwd",
+            env=env,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert out.returncode == 1 and out.stderr == "", out.stderr

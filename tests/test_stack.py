@@ -297,6 +297,7 @@ def test_flowrl_jobs_finds_the_stack_from_any_directory(stack_env, probe_deploym
     waited = _flowrl("jobs", "wait", run_id, "--timeout", "180", cwd=elsewhere, env=env)
     assert waited.returncode == 0 and f"{run_id}  COMPLETED" in waited.stdout, waited.stderr
     unknown = "00000000-0000-4000-8000-000000000000"
+    before = len(JobClient().list(limit=50))
     for args, says in (
         (("jobs", "status", unknown), f"no flow run {unknown} on the Prefect API"),
         (("jobs", "wait", "not-an-id"), "'not-an-id' is not a flow-run id"),
@@ -307,6 +308,16 @@ def test_flowrl_jobs_finds_the_stack_from_any_directory(stack_env, probe_deploym
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 1 and len(lines) == 1, out.stderr
         assert lines[0].startswith(f"flowrl: {says}"), lines
+    # parameters that do not fit the deployment: refused before anything is sent, a line each
+    bad = ("--param", "seconds=soon", "--param", "gpus=many", "--param", "gpu=1")
+    out = _flowrl("jobs", "submit", "gpu-probe", *bad, cwd=elsewhere, env=env)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().splitlines()[1:] == [
+        "  gpu: not a parameter here (expected one of ['gpus', 'seconds'])",
+        "  gpus: 'many' is not of type 'integer'",
+        "  seconds: 'soon' is not of type 'number'",
+    ], out.stderr
+    assert len(JobClient().list(limit=50)) == before
     assert list(elsewhere.iterdir()) == []  # no ./.flowrl, nothing else
 
 
