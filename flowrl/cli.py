@@ -409,6 +409,26 @@ def _jobs(args) -> int:
         raise _NotFound(f"{err} on the Prefect API at {_api_url()}") from None
 
 
+def _print(out: str | list[str]) -> None:
+    """One document, or lines (none for an empty list)."""
+    for line in [out] if isinstance(out, str) else out:
+        print(line)
+
+
+def _json(value: object) -> str:
+    """``--json``'s output: one JSON document (times as ISO strings)."""
+    import json
+
+    return json.dumps(value, default=str, sort_keys=True)
+
+
+def _status_view(status: object) -> dict:
+    """A ``JobStatus`` as ``--json`` prints it (its fields and ``final``)."""
+    import dataclasses
+
+    return {**dataclasses.asdict(status), "final": status.final}  # type: ignore[call-overload,attr-defined]
+
+
 def _api_url() -> str:
     return os.environ.get("PREFECT_API_URL", "(unset)")
 
@@ -417,21 +437,13 @@ def _jobs_on_api(args) -> int:
     from flowrl.infra.client import JobClient
 
     jobs = JobClient()
+    as_json = getattr(args, "json", False)
     if args.action == "submit":
-        print(jobs.submit(args.deployment, _submit_parameters(args), queue=args.queue))
+        run_id = jobs.submit(args.deployment, _submit_parameters(args), queue=args.queue)
+        print(_json({"id": run_id}) if as_json else run_id)
         return 0
-    if args.action == "list":
-        for j in jobs.list(limit=args.limit):
-            print(f"{j.id}  {j.state:<10} {j.queue or '-':<10} {j.deployment or '-':<16} {j.name}")
-        return 0
-    if args.action == "metrics":
-        for key, value in sorted(jobs.metrics(args.run_id).items()):
-            print(f"{key:<32} {value:.4f}")
-        return 0
-    if args.action == "result":
-        result = jobs.result(args.run_id)
-        print(result if result is not None else "no result (yet)")
-        return 0 if result is not None else 1
+    if args.action in ("list", "metrics", "result"):
+        return _print_listing(jobs, args, as_json)
     if args.action == "wait":
         status = jobs.wait(args.run_id, timeout=args.timeout)
     elif args.action == "cancel":
@@ -439,12 +451,38 @@ def _jobs_on_api(args) -> int:
     else:
         status = jobs.status(args.run_id)
     note = f" (attempt {status.attempts}; the stack resumes it)" if status.resumes else ""
-    print(f"{status.id}  {status.state}  {status.message or ''}{note}")
+    if as_json:
+        print(_json(_status_view(status)))
+    else:
+        print(f"{status.id}  {status.state}  {status.message or ''}{note}")
     if args.action == "wait":
         return 0 if status.state == "COMPLETED" else 1
     if args.action == "status":
         return 1 if status.final and status.state != "COMPLETED" else 0
     return 0
+
+
+def _print_listing(jobs: object, args, as_json: bool) -> int:  # noqa: ANN001
+    """``jobs list``, ``metrics`` and ``result``: lines for people, or one JSON document."""
+    if args.action == "list":
+        listed = jobs.list(limit=args.limit)  # type: ignore[attr-defined]
+        lines = [
+            f"{j.id}  {j.state:<10} {j.queue or '-':<10} {j.deployment or '-':<16} {j.name}"
+            for j in listed
+        ]
+        _print(_json([_status_view(j) for j in listed]) if as_json else lines)
+        return 0
+    if args.action == "metrics":
+        metrics = jobs.metrics(args.run_id)  # type: ignore[attr-defined]
+        lines = [f"{key:<32} {value:.4f}" for key, value in sorted(metrics.items())]
+        _print(_json(metrics) if as_json else lines)
+        return 0
+    result = jobs.result(args.run_id)  # type: ignore[attr-defined]
+    if as_json:
+        print(_json(result))
+    else:
+        print(result if result is not None else "no result (yet)")
+    return 0 if result is not None else 1
 
 
 if __name__ == "__main__":

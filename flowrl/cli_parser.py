@@ -155,17 +155,24 @@ def _add_infra_commands(sub) -> None:
         help="Other flow parameter (YAML value), e.g. --param seconds=2.",
     )
     submit.add_argument("--queue", help="Work queue (default: the deployment's).")
+    as_json = {"action": "store_true", "help": "Print JSON (one object) for scripts."}
+    submit.add_argument("--json", **as_json)
     for verb, text in (
         ("status", "Print a job's state; exit 1 if it FAILED, CRASHED or was CANCELLED."),
         ("cancel", "Cancel a job."),
         ("metrics", "Print a finished job's latest MLflow metrics."),
         ("result", "Print a finished job's result."),
     ):
-        jsub.add_parser(verb, help=text).add_argument(
+        verb_parser = jsub.add_parser(verb, help=text)
+        verb_parser.add_argument(
             "run_id", help="Prefect flow-run id (printed by `jobs submit` and `jobs list`)."
         )
+        if verb != "cancel":
+            verb_parser.add_argument("--json", **as_json)
     wait = jsub.add_parser("wait", help="Wait for a job to end; exit 1 unless it COMPLETED.")
     wait.add_argument("run_id", help="Prefect flow-run id.")
     wait.add_argument("--timeout", type=float, default=3600, help="Seconds to wait at most.")
+    wait.add_argument("--json", **as_json)
     listing = jsub.add_parser("list", help="List recent jobs with their state and queue.")
     listing.add_argument("--limit", type=int, default=20, help="Jobs to list.")
+    listing.add_argument("--json", **as_json)

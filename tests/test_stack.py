@@ -296,6 +296,12 @@ def test_flowrl_jobs_finds_the_stack_from_any_directory(stack_env, probe_deploym
     assert run_id in listed.stdout
     waited = _flowrl("jobs", "wait", run_id, "--timeout", "180", cwd=elsewhere, env=env)
     assert waited.returncode == 0 and f"{run_id}  COMPLETED" in waited.stdout, waited.stderr
+    # --json: one document a script reads
+    listed = json.loads(_flowrl("jobs", "list", "--json", cwd=elsewhere, env=env).stdout)
+    mine = next(j for j in listed if j["id"] == run_id)
+    assert mine["deployment"] == "gpu-probe" and mine["state"] == "COMPLETED" and mine["final"]
+    status = json.loads(_flowrl("jobs", "status", run_id, "--json", cwd=elsewhere, env=env).stdout)
+    assert status["state"] == "COMPLETED" and status["end_time"], status
     unknown = "00000000-0000-4000-8000-000000000000"
     before = len(JobClient().list(limit=50))
     for args, says in (
