@@ -220,8 +220,14 @@ def _prepare(verbose: bool) -> None:
     # Prefect's API server, if this process started one, stops with it (by default it lives on).
     signal.signal(signal.SIGTERM, _terminated)
     if not verbose:
-        # Keep the terminal for the progress bar; the logs still reach the Prefect API.
+        # Keep the terminal for the progress bar and flowrl's own lines; the logs still reach
+        # the Prefect API. Off: Prefect's INFO logs and telemetry notice, MLflow's notices
+        # (database set-up, model-logging warnings), Ray's start-up lines (flows.engines).
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+        os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+        os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "ERROR")
+    else:
+        os.environ["FLOWRL_VERBOSE"] = "1"
     from flowrl.infra.settings import get_settings
 
     get_settings().apply_to_environment()

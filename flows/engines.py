@@ -30,6 +30,9 @@ LOCAL_RAY_SYSTEM_CONFIG = RAY_SYSTEM_CONFIG
 """A local Ray's system config: the stack's head's (``infra.niceness``)."""
 
 
+RAY_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+"""Ray's notice that its token authentication is on (it is: flowrl keeps Ray's default)."""
+
 RAY_WAIT_S = 45.0
 """How long a job waits for an unreachable Ray head (the stack's supervisor restarts a dead
 one in seconds) before it ends CRASHED, to be resumed."""
@@ -174,6 +177,9 @@ def connect_ray() -> bool:
     s = get_settings()
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}}
     init: dict[str, Any] = {"namespace": RAY_NAMESPACE, "log_to_driver": False, "runtime_env": env}
+    if os.environ.get("FLOWRL_VERBOSE") != "1":  # Ray's start-up notices stay off the terminal
+        init["logging_level"] = logging.WARNING
+        logging.getLogger(RAY_AUTH_LOGGER).setLevel(logging.ERROR)
     if s.ray_address is not None:
         _wait_for_head(s.ray_address)
         try:
