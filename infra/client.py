@@ -65,6 +65,9 @@ def check_parameters(deployment: str, schema: dict[str, Any] | None, params: dic
     if not schema:
         return
     import jsonschema
+    from pydantic_core import to_jsonable_python
+
+    params = to_jsonable_python(params, fallback=str)  # as the API gets them (tuples as lists)
 
     known = schema.get("properties") or {}
     lines = [

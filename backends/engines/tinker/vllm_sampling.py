@@ -14,6 +14,7 @@ Semantics as ``TinkerModel.sample`` (``backends.engines.tinker.model``), with th
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -67,11 +68,14 @@ class TinkerVLLMSampler:
         params: SampleParams,
         weights: str | None,
         prompt_logprobs: bool = False,
+        images: Sequence[Any] = (),
     ) -> SampleOutput:
         """``num_samples`` completions of ``prompt`` with the adapter saved as ``weights``
-        (None: the base model alone)."""
+        (None: the base model alone). Image prompts are the hf sampler's (a 400 here)."""
         from vllm import SamplingParams
 
+        if images:
+            raise TinkerInputError("image prompts are served by the hf sampler, not by vllm")
         if not prompt:
             raise TinkerInputError("prompt is empty")
         check_fits(prompt, params, self.info)

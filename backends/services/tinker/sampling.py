@@ -243,9 +243,11 @@ class Sampling:
             check_fits(prompt, params, target.handle.info)
         weights = sampler.weights
 
+        extra = [images] if images else []  # (a text prompt's call is as it always was)
+
         def work(handle: ModelHandle) -> bytes:  # the model checks prompt and context again
             return write_sample_response(
-                handle.call("sample", prompt, n, params, weights, prompt_logprobs, images or [])
+                handle.call("sample", prompt, n, params, weights, prompt_logprobs, *extra)
             )
 
         return self.registry.run_on(target, "sample", work, namespace=namespace)
