@@ -437,6 +437,17 @@ def build_tokenizer(family: Family, vocab_size: int = 700) -> PreTrainedTokenize
     )
 
 
+TEXT_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+)
+"""Every fixture's text model: 2 layers of width 64."""
+
+
 def build_family(family: Family, out_dir: str | Path, seed: int = 0) -> str:
     """Write the family's tiny random-weight model, tokenizer, template and generation config
     to ``out_dir``; returns it."""
@@ -447,12 +458,7 @@ def build_family(family: Family, out_dir: str | Path, seed: int = 0) -> str:
     eos_ids = [ids[t] for t in family.generation_eos]
     shape = dict(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
+        **TEXT_SHAPE,
         tie_word_embeddings=True,
         bos_token_id=ids.get(family.bos) if family.bos else None,
         eos_token_id=eos_ids[0],
@@ -541,13 +547,8 @@ def build_qwen3_vl(out_dir: str | Path, seed: int = 0) -> str:
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN3_VL.specials}
     text = dict(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TEXT_SHAPE,
         head_dim=16,
-        max_position_embeddings=2048,
         rope_scaling={
             "rope_type": "default",
             "mrope_section": [2, 3, 3],

@@ -5,7 +5,6 @@ bad images are 400s that leave the service serving."""
 from __future__ import annotations
 
 import io
-import os
 import struct
 import zlib
 from collections.abc import Iterator
@@ -33,19 +32,15 @@ def vl(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str]]:
     """(the service's url, the fixture's folder)."""
     root = tmp_path_factory.mktemp("vision")
     folder = build_qwen3_vl(root / "qwen3-vl")
-    saved = os.environ.get("FLOWRL_HOME")
-    os.environ["FLOWRL_HOME"] = str(root / "home")
     tiny = resolve_base_model("tiny", str(root / "model-cache"))
     catalogue = {VL: folder, "flowrl/tiny": tiny}
-    server = TinkerServer(TinkerService(InProcess(), catalogue=catalogue, keys={KEY: "v"}))
-    try:
-        yield server.url, folder
-    finally:
-        server.stop()
-        if saved is None:
-            os.environ.pop("FLOWRL_HOME", None)
-        else:
-            os.environ["FLOWRL_HOME"] = saved
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("FLOWRL_HOME", str(root / "home"))
+        server = TinkerServer(TinkerService(InProcess(), catalogue=catalogue, keys={KEY: "v"}))
+        try:
+            yield server.url, folder
+        finally:
+            server.stop()
 
 
 def _png(color: tuple[int, int, int], size: tuple[int, int] = (64, 64)) -> bytes:

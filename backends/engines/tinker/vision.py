@@ -24,26 +24,19 @@ import torch
 from flowrl.backends.engines.tinker.types import (
     FORMATS,
     IMAGE_SLOT,
-    MAX_IMAGE_PIXELS,
     ImageInput,
     TinkerInputError,
 )
 
 
 def decode(what: str, image: ImageInput) -> Any:
-    """An ``ImageInput`` as an RGB PIL image; its size is read (and capped) before its pixels."""
+    """An ``ImageInput`` (its header checked when it was made: ``types.image_input``) as an
+    RGB PIL image."""
     from PIL import Image
 
     try:
         with Image.open(io.BytesIO(image.data), formats=[FORMATS[image.format]]) as opened:
-            width, height = opened.size
-            if width * height > MAX_IMAGE_PIXELS:
-                raise TinkerInputError(
-                    f"{what}: image of {width}x{height} pixels (at most {MAX_IMAGE_PIXELS})"
-                )
             return opened.convert("RGB")
-    except TinkerInputError:
-        raise
     except Exception as e:  # noqa: BLE001 - PIL raises many kinds for bad bytes
         raise TinkerInputError(f"{what}: the {image.format} image does not decode: {e}") from None
 
