@@ -31,7 +31,7 @@ RAY_SYSTEM_CONFIG = {
     "enable_worker_prestart": False,
     "worker_maximum_startup_concurrency": 1,
 }
-"""The system config of every Ray flowrl starts: a job's local Ray and the stack's head."""
+"""The system config of a job's local Ray (the stack's head takes only its niceness)."""
 
 _RAY_AGENTS = ("ray::DashboardAgent", "ray::RuntimeEnvAgent")
 _RAY_HELPER_SCRIPTS = ("/dashboard/dashboard.py", "/log_monitor.py", "/monitor.py")

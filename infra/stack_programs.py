@@ -172,7 +172,10 @@ def _ray(out: Layout, home: Path, gpus: int, num_cpus: int) -> None:
     cmd += ["--port", str(port), "--num-cpus", str(num_cpus)]
     cmd += ["--num-gpus", str(gpus), "--include-dashboard", "false"]
     cmd += ["--disable-usage-stats", "--temp-dir", ray_tmp]
-    cmd += ["--system-config", json.dumps(RAY_SYSTEM_CONFIG)]
+    # Only the workers' niceness: the one-at-a-time worker start of a job's local Ray
+    # (RAY_SYSTEM_CONFIG) is not the stack's until it has been through a chaos run that passes.
+    stack_config = {"worker_niceness": RAY_SYSTEM_CONFIG["worker_niceness"]}
+    cmd += ["--system-config", json.dumps(stack_config)]
     # `ray start --block` stops its processes on SIGINT (it ignores SIGTERM).
     program = Program(
         "ray",
