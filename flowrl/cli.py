@@ -5,7 +5,7 @@
     flowrl config [CONFIG.yaml] [--set key=value ...]
     flowrl infra up [--no-deployments]          # pool, queues, gpu limit, deployments
     flowrl stack up|down|status|env [--gpus N]  # local Prefect/worker/Ray/MLflow/S3
-    flowrl jobs submit|status|list|cancel|wait|metrics|result ...
+    flowrl jobs submit|status|list|cancel|wait|logs|metrics|result ...
     flowrl serve tinker [--keys-file F | --insecure-loopback] [--placement local|sessions|shared]
     flowrl serve environments [--keys-file F | --insecure-loopback] [--env NAME ...]
     flowrl serve openai [--keys-file F | --insecure-loopback]
@@ -90,13 +90,27 @@ def _main(argv: list[str] | None) -> int:
     from flowrl.flows.engines import start_engines
 
     engines_ready = start_engines()  # Ray and Prefect's API boot while the flow imports
-    if args.command == "selfplay":
+    try:
+        return _run_job(args.command, config, engines_ready)
+    except SystemExit as stop:
+        if stop.code == 128 + signal.SIGTERM:  # _terminated: the last line is flowrl's own
+            again = " (the same command resumes it from its last checkpoint)"
+            print(
+                f"\nflowrl: job {config.name!r} stopped by SIGTERM (exit {stop.code})"
+                + (again if args.command in ("train", "selfplay") else ""),
+                file=sys.stderr,
+            )
+        raise
+
+
+def _run_job(command: str, config, engines_ready: Callable[[], None]) -> int:
+    if command == "selfplay":
         from flowrl.flows.selfplay import self_play
 
         engines_ready()
         print(f"\n{self_play(config)}")
         return 0
-    if args.command == "sft":
+    if command == "sft":
         from flowrl.flows.sft import sft_train
 
         engines_ready()
@@ -285,6 +299,16 @@ def _ops(args) -> int:
     except (NoStackError, ComponentDownError, MissingComponentError, _NotFound) as err:
         print(f"flowrl: {err}", file=sys.stderr)
         return 1
+    except Exception as err:
+        from flowrl.infra.client import api_restarting
+
+        if not api_restarting(err):
+            raise
+        reason = " ".join(f"{type(err).__name__}: {err}".split())[:200]
+        print(
+            f"flowrl: the Prefect API at {_api_url()} does not answer ({reason})", file=sys.stderr
+        )
+        return 1
 
 
 _NEEDS = {"metrics": ("prefect", "mlflow"), "result": ("prefect", "s3")}
@@ -385,12 +409,14 @@ def _stack_status(state, path, as_json: bool) -> int:
 
 
 def _submit_parameters(args) -> dict:
-    import yaml
+    from flowrl.infra.configfile import ConfigError, parse_yaml, read_mapping
 
-    from flowrl.infra.configfile import read_mapping
-
-    params = {k: v for k, v in (p.partition("=")[::2] for p in args.param)}
-    params = {k: yaml.safe_load(v) for k, v in params.items()}
+    params = {}
+    for item in args.param:
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise ConfigError(f"--param {item[:80]!r}: expected key=value")
+        params[key.strip()] = parse_yaml(value, f"--param {key.strip()[:80]}")
     if args.config or args.overrides:
         params["config"] = read_mapping(args.config, args.overrides)
     return params
@@ -401,6 +427,20 @@ def _jobs(args) -> int:
 
     try:
         return _jobs_on_api(args)
+    except KeyboardInterrupt:  # Ctrl-C, on wait or logs --follow above all
+        run_id = getattr(args, "run_id", None)
+        if args.action in ("wait", "logs") and run_id:
+            print(
+                f"\nflowrl: stopped following {run_id}; the job goes on "
+                f"(`flowrl jobs cancel {run_id}` stops it)",
+                file=sys.stderr,
+            )
+        else:
+            print("\nflowrl: interrupted", file=sys.stderr)
+        return 130
+    except TimeoutError as err:  # wait --timeout
+        print(f"flowrl: {err}; it goes on", file=sys.stderr)
+        return 124
     except ObjectNotFound:
         if getattr(args, "run_id", None) is not None:
             what = f"flow run {args.run_id}"
@@ -450,8 +490,10 @@ def _jobs_on_api(args) -> int:
         return 0
     if args.action in ("list", "metrics", "result"):
         return _print_listing(jobs, args, as_json)
+    if args.action == "logs":
+        return _logs(jobs, args)
     if args.action == "wait":
-        status = jobs.wait(args.run_id, timeout=args.timeout)
+        status = _wait(jobs, args)
     elif args.action == "cancel":
         status = jobs.cancel(args.run_id)
     else:
@@ -466,6 +508,48 @@ def _jobs_on_api(args) -> int:
     if args.action == "status":
         return 1 if status.final and status.state != "COMPLETED" else 0
     return 0
+
+
+def _logs(jobs: object, args) -> int:  # noqa: ANN001
+    """``jobs logs [--follow]``: the job's lines so far, or as they come until it ends."""
+    from flowrl.infra.joblogs import LogReader, follow
+
+    def show(line) -> None:  # noqa: ANN001
+        print(_json(line.as_json()) if args.json else line.text(), flush=True)
+
+    if not args.follow:
+        jobs.status(args.run_id)  # type: ignore[attr-defined] # an unknown id: one line
+        for line in LogReader(args.run_id).read():
+            show(line)
+        return 0
+    status = follow(args.run_id, show, jobs=jobs)  # type: ignore[arg-type]
+    return 0 if status.state == "COMPLETED" else 1
+
+
+def _wait(jobs: object, args):  # noqa: ANN001, ANN202
+    """``jobs wait``: on stderr, a live progress line on a terminal, the step lines when it is
+    not one (none with --json); the final status."""
+    from flowrl.infra.joblogs import Progress, follow
+
+    live = sys.stderr.isatty()
+    shown = [False]
+
+    def show(line) -> None:  # noqa: ANN001
+        progress = Progress.parse(line.message)
+        if progress is None or args.json:
+            return
+        if live:
+            sys.stderr.write(f"\r\033[K{progress.text()}")
+        else:
+            sys.stderr.write(f"{line.message}\n")
+        sys.stderr.flush()
+        shown[0] = True
+
+    try:
+        return follow(args.run_id, show, timeout=args.timeout, jobs=jobs)  # type: ignore[arg-type]
+    finally:
+        if live and shown[0]:
+            sys.stderr.write("\n")
 
 
 def _print_listing(jobs: object, args, as_json: bool) -> int:  # noqa: ANN001

@@ -4,6 +4,8 @@ What each command does is ``flowrl/cli.py``'s."""
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import NoReturn
 
 from flowrl import __version__
 
@@ -22,9 +24,34 @@ def _add_config_arguments(parser: argparse.ArgumentParser, verbose: bool = True)
         parser.add_argument("--verbose", action="store_true", help="Show Prefect's INFO logs.")
 
 
+class _Parser(argparse.ArgumentParser):
+    """A wrong, missing or malformed argument is one line naming it and ``--help``, exit 2
+    (argparse's default prints the usage first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _positive(kind: type[int] | type[float], zero: bool = False) -> Callable[[str], int | float]:
+    """An argument type: a number of ``kind`` over 0 (``zero``: at least 0)."""
+
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text[:40]!r}") from None
+        if value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(
+                f"must be {'0 or more' if zero else 'positive'}, got {text[:40]}"
+            )
+        return value
+
+    return parse
+
+
 def command_parser(description: str) -> argparse.ArgumentParser:
     """Every ``flowrl`` command, under ``description`` (the CLI module's first line)."""
-    parser = argparse.ArgumentParser(prog="flowrl", description=description)
+    parser = _Parser(prog="flowrl", description=description)
     parser.add_argument("--version", action="version", version=f"flowrl {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, text in (
@@ -40,6 +67,19 @@ def command_parser(description: str) -> argparse.ArgumentParser:
     _add_serve_commands(sub)
     _add_tinker_commands(sub)
     return parser
+
+
+JOBS_EXIT_CODES = """exit codes:
+  0    done; for wait, status and logs --follow: the job COMPLETED
+  1    the job ended FAILED, CRASHED or CANCELLED; or what was asked for is not there (no
+       stack or a component of it down, an unknown or malformed id or deployment, no result
+       yet); or the reader of the output left (a closed pipe)
+  2    bad input: arguments, a config or parameters that do not fit the deployment, a job
+       larger than the pool
+  124  wait --timeout passed with the job still going (it goes on)
+  130  Ctrl-C on wait or logs --follow: stopped following (the job goes on; `flowrl jobs
+       cancel ID` stops it)"""
+"""``flowrl jobs --help``'s epilog."""
 
 
 SERVICES = {
@@ -112,7 +152,7 @@ def _add_infra_commands(sub) -> None:
     )
     stack.add_argument(
         "--gpus",
-        type=int,
+        type=_positive(int, zero=True),
         default=None,
         metavar="N",
         help="GPU slots of the pool, also the Ray head's GPUs (default: the scheduler "
@@ -134,6 +174,8 @@ def _add_infra_commands(sub) -> None:
         "set; else on the running local stack: the one under FLOWRL_HOME, else the one "
         "`flowrl stack up` last started (named by $FLOWRL_CONFIG_DIR/stack.json, default "
         "~/.config/flowrl/stack.json), from any directory.",
+        epilog=JOBS_EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     jsub = jobs.add_subparsers(dest="action", required=True)
     submit = jsub.add_parser("submit", help="Submit a job to a deployment; prints its id.")
@@ -169,10 +211,30 @@ def _add_infra_commands(sub) -> None:
         )
         if verb != "cancel":
             verb_parser.add_argument("--json", **as_json)
-    wait = jsub.add_parser("wait", help="Wait for a job to end; exit 1 unless it COMPLETED.")
+    wait = jsub.add_parser(
+        "wait",
+        help="Wait for a job to end, showing its progress (step, metrics, time left) on "
+        "stderr: a live line on a terminal, the job's step lines otherwise; exit 1 unless it "
+        "COMPLETED.",
+    )
     wait.add_argument("run_id", help="Prefect flow-run id.")
-    wait.add_argument("--timeout", type=float, default=3600, help="Seconds to wait at most.")
+    wait.add_argument(
+        "--timeout", type=_positive(float), default=3600, help="Seconds to wait at most."
+    )
     wait.add_argument("--json", **as_json)
+    logs = jsub.add_parser(
+        "logs",
+        help="Print a job's log: its phases and a line per step with its metrics (reward, "
+        "loss, s/step, accuracy where evaluated).",
+    )
+    logs.add_argument("run_id", help="Prefect flow-run id.")
+    logs.add_argument(
+        "-f",
+        "--follow",
+        action="store_true",
+        help="Stream the lines as they come until the job ends; exit as `wait` does.",
+    )
+    logs.add_argument("--json", action="store_true", help="One JSON object per line.")
     listing = jsub.add_parser("list", help="List recent jobs with their state and queue.")
-    listing.add_argument("--limit", type=int, default=20, help="Jobs to list.")
+    listing.add_argument("--limit", type=_positive(int), default=20, help="Jobs to list.")
     listing.add_argument("--json", **as_json)

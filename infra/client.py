@@ -98,7 +98,7 @@ def _job_name(parameters: dict[str, Any]) -> str | None:
     return getattr(config, "name", None)
 
 
-def _api_restarting(err: BaseException) -> bool:
+def api_restarting(err: BaseException) -> bool:
     """``err`` says the Prefect API is down or failing for now (it is being restarted, or its
     database is), not that the request was wrong."""
     import httpx
@@ -237,7 +237,7 @@ class JobClient:
             try:
                 status = self.status(run_id)
             except Exception as err:
-                if not _api_restarting(err) or time.monotonic() > deadline:
+                if not api_restarting(err) or time.monotonic() > deadline:
                     raise
                 time.sleep(max(poll, 2.0))
                 continue

@@ -190,7 +190,7 @@ def test_jobs_wait_asks_again_while_the_prefect_api_restarts():
     import httpx
     from prefect.exceptions import PrefectHTTPStatusError
 
-    from flowrl.infra.client import _api_restarting
+    from flowrl.infra.client import api_restarting
 
     request = httpx.Request("GET", "http://127.0.0.1:1/api/flow_runs/x")
 
@@ -200,9 +200,9 @@ def test_jobs_wait_asks_again_while_the_prefect_api_restarts():
             httpx.HTTPStatusError("status", request=request, response=response)
         )
 
-    assert _api_restarting(httpx.ConnectError("refused", request=request))
-    assert _api_restarting(answered(500)) and _api_restarting(answered(503))
-    assert not _api_restarting(answered(404)) and not _api_restarting(ValueError("bad id"))
+    assert api_restarting(httpx.ConnectError("refused", request=request))
+    assert api_restarting(answered(500)) and api_restarting(answered(503))
+    assert not api_restarting(answered(404)) and not api_restarting(ValueError("bad id"))
 
 
 def test_a_reader_that_leaves_ends_the_command_quietly(bare_user):
@@ -225,3 +225,82 @@ def test_a_reader_that_leaves_ends_the_command_quietly(bare_user):
     finally:
         os.close(write)
     assert out.returncode == 1 and out.stderr == "", out.stderr
+
+
+UUID = "0b0e5f1c-4c0a-4b64-a3c5-7b9c9e1d8f00"
+DEAD_API = "http://127.0.0.1:9/api"  # nothing listens on port 9 (discard) here
+MALFORMED_ID = "is not a flow-run id (a UUID"
+CLI_CASES = [
+    # (API, arguments, exit code, what the one line on stderr says): no API and no stack
+    (None, "jobs", 2, "the following arguments are required: action"),
+    (None, "jobs frobnicate", 2, "invalid choice: 'frobnicate'"),
+    (None, "jobs submit", 2, "the following arguments are required: deployment"),
+    (None, "jobs status", 2, "the following arguments are required: run_id"),
+    (None, "jobs cancel 42", 1, MALFORMED_ID),
+    (None, "jobs wait not-an-id", 1, MALFORMED_ID),
+    (None, "jobs logs 42 --follow", 1, MALFORMED_ID),
+    (None, "jobs metrics xyz", 1, MALFORMED_ID),
+    (None, "jobs result ../../etc/passwd", 1, MALFORMED_ID),
+    (None, "jobs list --limit many", 2, "argument --limit: not a number: 'many'"),
+    (None, "jobs list --limit -3", 2, "argument --limit: must be positive, got -3"),
+    (None, f"jobs wait {UUID} --timeout soon", 2, "argument --timeout: not a number"),
+    (None, f"jobs wait {UUID} --timeout 0", 2, "argument --timeout: must be positive"),
+    (None, f"jobs logs {UUID} --bogus", 2, "unrecognized arguments: --bogus"),
+    (None, "jobs list", 1, NO_STACK.removeprefix("flowrl: ")),
+    (None, f"jobs logs {UUID}", 1, NO_STACK.removeprefix("flowrl: ")),
+    (None, "jobs submit gpu-probe --param gpus=1", 1, NO_STACK.removeprefix("flowrl: ")),
+    (None, "stack", 2, "the following arguments are required: action"),
+    (None, "stack sideways", 2, "invalid choice: 'sideways'"),
+    (None, "stack status", 1, "no local stack"),
+    (None, "stack env", 1, "no local stack"),
+    (None, "stack up --gpus -1", 2, "argument --gpus: must be 0 or more, got -1"),
+    (None, "stack up --gpus many", 2, "argument --gpus: not a number"),
+    # a Prefect API that does not answer
+    (DEAD_API, "jobs list", 1, f"the Prefect API at {DEAD_API} does not answer"),
+    (DEAD_API, f"jobs status {UUID}", 1, f"the Prefect API at {DEAD_API} does not answer"),
+    (DEAD_API, f"jobs logs {UUID} -f", 1, f"the Prefect API at {DEAD_API} does not answer"),
+    (DEAD_API, f"jobs wait {UUID} --timeout 1", 1, f"the Prefect API at {DEAD_API} does"),
+    (DEAD_API, f"jobs result {UUID} --json", 1, f"the Prefect API at {DEAD_API} does not"),
+    (DEAD_API, "jobs submit gpu-probe", 1, f"the Prefect API at {DEAD_API} does not answer"),
+    (DEAD_API, "infra up", 1, f"the Prefect API at {DEAD_API} does not answer"),
+    # submissions refused before anything connects
+    (DEAD_API, "jobs submit rl-train /no/such.yaml", 2, "config file not found: /no/such.yaml"),
+    (DEAD_API, "jobs submit rl-train --set schedule.steps", 2, "expected key=value"),
+    (DEAD_API, "jobs submit gpu-probe --param gpus", 2, "--param 'gpus': expected key=value"),
+    (DEAD_API, "jobs submit gpu-probe --param gpus=[1", 2, "--param gpus: line 1, column 3"),
+]
+
+
+def test_every_jobs_and_stack_command_answers_bad_input_in_one_line(bare_user):
+    """The CLI's hostile-input table: every ``jobs`` and ``stack`` subcommand with wrong,
+    missing and malformed arguments, no stack, and a Prefect API that does not answer. Each
+    case is one line on stderr naming what is wrong and the exit code ``flowrl jobs --help``
+    documents; none shows a traceback, and nothing is started."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    root, env = bare_user
+
+    def run(case: tuple) -> tuple[tuple, subprocess.CompletedProcess]:
+        api, args, _, _ = case
+        case_env = env | ({"PREFECT_API_URL": api} if api else {})
+        return case, _flowrl(root, case_env, *args.split())
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(run, CLI_CASES))
+    wrong = []
+    for (_, args, code, says), out in results:
+        lines = out.stderr.splitlines()
+        one_line = len(lines) == 1 and lines[0].startswith("flowrl") and says in lines[0]
+        if out.returncode != code or not one_line or out.stdout or "Traceback" in out.stderr:
+            wrong.append((args, out.returncode, out.stderr[-600:]))
+    assert not wrong, wrong
+    assert not list((root / "home").rglob("stack*")), "a case started a stack"
+    assert len(CLI_CASES) == 34
+
+
+def test_jobs_help_documents_the_exit_codes(bare_user):
+    root, env = bare_user
+    out = _flowrl(root, env, "jobs", "--help")
+    assert out.returncode == 0
+    for code in ("0 ", "1 ", "2 ", "124", "130"):
+        assert f"\n  {code}" in out.stdout, out.stdout

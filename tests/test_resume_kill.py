@@ -134,6 +134,13 @@ def test_a_terminated_run_leaves_nothing_running(tmp_path):
         assert job.wait(120) == 128 + signal.SIGTERM, log.read_text()[-3000:]
         gone, alive = psutil.wait_procs(list(started.values()), timeout=30)
         assert not alive, [(p.pid, p.name()) for p in alive]
+    # its last line is flowrl's own (no Ray stack dump, no traceback after it)
+    lines = [x.strip() for x in log.read_text().replace("\r", "\n").splitlines() if x.strip()]
+    assert lines[-1] == (
+        "flowrl: job 'kill-job' stopped by SIGTERM (exit 143) (the same command resumes it "
+        "from its last checkpoint)"
+    ), lines[-10:]
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
 
 
 def test_a_run_terminated_while_its_servers_start_leaves_nothing_running(tmp_path):

@@ -401,6 +401,80 @@ def test_runs_on_the_worker_send_no_task_run_info_lines(stack_env, tmp_path):
     assert task_lines == [(30, "stage 2 warns")], task_lines
 
 
+STEPPED_FLOW = """
+import time
+
+from prefect import flow, get_run_logger
+
+
+@flow(name="stepped")
+def stepped(steps: int = 6, fail: bool = False) -> None:
+    log = get_run_logger()
+    log.info("training: started")
+    for k in range(1, steps + 1):
+        time.sleep(1.0)
+        log.info(f"step {k}/{steps}: reward {k / 10:.3f}, 1.00 s/step")
+    if fail:
+        raise RuntimeError("the stepped flow fails as asked")
+"""
+
+
+def test_jobs_logs_follow_and_wait_show_the_steps_as_they_come(stack_env, tmp_path):
+    """``flowrl jobs logs ID --follow`` prints the job's lines while it runs (the first step
+    line well before the job ends) and exits with its state (0 COMPLETED, 1 FAILED);
+    ``jobs logs`` without --follow prints what is there; ``jobs wait`` piped shows the step
+    lines on stderr; --json is a JSON object per line."""
+    from datetime import UTC, datetime
+
+    deployment = _deploy_source(stack_env, tmp_path, STEPPED_FLOW, "stepped")
+    jobs = JobClient()
+    env = _client_env(PREFECT_API_URL=os.environ["PREFECT_API_URL"])
+    run_id = jobs.submit(deployment, {"steps": 6})
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "flowrl", "jobs", "logs", run_id, "--follow"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    arrived = []
+    assert follower.stdout is not None
+    for line in follower.stdout:
+        arrived.append((datetime.now(UTC), line.rstrip("\n")))
+    assert follower.wait(timeout=60) == 0, follower.stderr.read() if follower.stderr else ""
+    ended = jobs.status(run_id).end_time
+    steps = [(t, text) for t, text in arrived if "  step " in text]
+    assert [text.split("  ", 1)[1] for _, text in steps] == [
+        f"step {k}/6: reward {k / 10:.3f}, 1.00 s/step" for k in range(1, 7)
+    ], arrived
+    assert ended is not None and steps[0][0] < ended, (steps[0], ended)  # live, not at the end
+    assert any("training: started" in text for _, text in arrived), arrived
+    assert "Traceback" not in (follower.stderr.read() if follower.stderr else "")
+
+    # after the end: the whole log at once, as text and as JSON lines
+    out = _flowrl("jobs", "logs", run_id, cwd=tmp_path, env=env)
+    assert out.returncode == 0 and "step 6/6: reward 0.600" in out.stdout, out.stderr
+    as_json = _flowrl("jobs", "logs", run_id, "--json", cwd=tmp_path, env=env)
+    records = [json.loads(x) for x in as_json.stdout.splitlines()]
+    assert {"time", "level", "message", "task_run_id"} <= set(records[0]), records[0]
+    assert [r["message"] for r in records if r["message"].startswith("step ")][-1] == (
+        "step 6/6: reward 0.600, 1.00 s/step"
+    )
+
+    # wait, piped: the step lines on stderr, the status on stdout; a failed job exits 1
+    failing = jobs.submit(deployment, {"steps": 2, "fail": True})
+    waited = _flowrl("jobs", "wait", failing, "--timeout", "120", cwd=tmp_path, env=env)
+    assert waited.returncode == 1 and f"{failing}  FAILED" in waited.stdout, waited.stderr
+    assert waited.stderr.splitlines() == [
+        "step 1/2: reward 0.100, 1.00 s/step",
+        "step 2/2: reward 0.200, 1.00 s/step",
+    ], waited.stderr
+    followed = _flowrl("jobs", "logs", failing, "-f", cwd=tmp_path, env=env)
+    assert followed.returncode == 1 and "the stepped flow fails as asked" in followed.stdout
+    assert "Traceback" not in followed.stderr, followed.stderr
+
+
 RAY_SLEEPER_FLOW = """
 import time
 
