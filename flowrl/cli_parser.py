@@ -21,7 +21,13 @@ def _add_config_arguments(parser: argparse.ArgumentParser, verbose: bool = True)
         help="Override a config field, e.g. --set schedule.steps=50 (repeatable).",
     )
     if verbose:
-        parser.add_argument("--verbose", action="store_true", help="Show Prefect's INFO logs.")
+        parser.add_argument(
+            "-v",
+            "--verbose",
+            action="store_true",
+            help="Show the engines' own output too: Prefect's INFO logs, MLflow's and Ray's "
+            "lines and progress bars.",
+        )
 
 
 class _Parser(argparse.ArgumentParser):

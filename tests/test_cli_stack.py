@@ -304,3 +304,18 @@ def test_jobs_help_documents_the_exit_codes(bare_user):
     assert out.returncode == 0
     for code in ("0 ", "1 ", "2 ", "124", "130"):
         assert f"\n  {code}" in out.stdout, out.stdout
+
+
+def test_the_wait_line_reads_the_jobs_step_lines():
+    """``jobs wait``'s live line: step / total, the share done, the metrics as the job wrote
+    them, and the time left from the step's s/step; other lines are not progress."""
+    from flowrl.infra.joblogs import Progress
+
+    line = Progress.parse("step 12/50: reward 0.410, loss 0.113, 1.80 s/step")
+    assert line is not None and (line.step, line.total, line.seconds_per_step) == (12, 50, 1.8)
+    assert line.text() == (
+        "step 12/50 (24%): reward 0.410, loss 0.113, 1.80 s/step; about 1 min 8 s left"
+    )
+    assert Progress.parse("step 50/50").text() == "step 50/50 (100%)"  # done: no time left
+    assert Progress.parse("RL: steps 1-20, fresh start") is None
+    assert Progress.parse("warm-up: done after 225 steps") is None

@@ -308,6 +308,9 @@ def test_flowrl_jobs_finds_the_stack_from_any_directory(stack_env, probe_deploym
         (("jobs", "status", unknown), f"no flow run {unknown} on the Prefect API"),
         (("jobs", "wait", "not-an-id"), "'not-an-id' is not a flow-run id"),
         (("jobs", "result", unknown), f"no flow run {unknown}"),
+        (("jobs", "logs", unknown, "-f"), f"no flow run {unknown}"),
+        (("jobs", "cancel", unknown), f"no flow run {unknown}"),
+        (("jobs", "metrics", unknown, "--json"), f"no flow run {unknown}"),
         (("jobs", "submit", "no-such-job"), "0 deployments are named 'no-such-job' on the"),
     ):
         out = _flowrl(*args, cwd=elsewhere, env=env)
@@ -324,6 +327,22 @@ def test_flowrl_jobs_finds_the_stack_from_any_directory(stack_env, probe_deploym
         "  seconds: 'soon' is not of type 'number'",
     ], out.stderr
     assert len(JobClient().list(limit=50)) == before
+    # a reader that leaves before the listing is written: exit 1, nothing on stderr
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        closed = subprocess.run(
+            [sys.executable, "-m", "flowrl", "jobs", "list"],
+            cwd=elsewhere,
+            env=env,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert closed.returncode == 1 and closed.stderr == "", closed.stderr
     assert list(elsewhere.iterdir()) == []  # no ./.flowrl, nothing else
 
 
@@ -421,7 +440,8 @@ def stepped(steps: int = 6, fail: bool = False) -> None:
 
 def test_jobs_logs_follow_and_wait_show_the_steps_as_they_come(stack_env, tmp_path):
     """``flowrl jobs logs ID --follow`` prints the job's lines while it runs (the first step
-    line well before the job ends) and exits with its state (0 COMPLETED, 1 FAILED);
+    line well before the job ends) and exits with its state (0 COMPLETED, 1 FAILED); Ctrl-C
+    stops following (exit 130, saying so), not the job;
     ``jobs logs`` without --follow prints what is there; ``jobs wait`` piped shows the step
     lines on stderr; --json is a JSON object per line."""
     from datetime import UTC, datetime
@@ -430,16 +450,21 @@ def test_jobs_logs_follow_and_wait_show_the_steps_as_they_come(stack_env, tmp_pa
     jobs = JobClient()
     env = _client_env(PREFECT_API_URL=os.environ["PREFECT_API_URL"])
     run_id = jobs.submit(deployment, {"steps": 6})
-    follower = subprocess.Popen(
-        [sys.executable, "-m", "flowrl", "jobs", "logs", run_id, "--follow"],
-        cwd=tmp_path,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    command = [sys.executable, "-m", "flowrl", "jobs", "logs", run_id, "--follow"]
+    pipes = {"cwd": tmp_path, "env": env, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    follower = subprocess.Popen(command, text=True, **pipes)
+    leaver = subprocess.Popen(command, text=True, **pipes)  # Ctrl-C'd at its first step line
     arrived = []
-    assert follower.stdout is not None
+    assert follower.stdout is not None and leaver.stdout is not None
+    while "step 1/6" not in leaver.stdout.readline():
+        pass
+    leaver.send_signal(signal.SIGINT)
+    _, said = leaver.communicate(timeout=30)
+    assert leaver.returncode == 130, said
+    assert said.strip() == (
+        f"flowrl: stopped following {run_id}; the job goes on (`flowrl jobs cancel {run_id}` "
+        "stops it)"
+    ), said
     for line in follower.stdout:
         arrived.append((datetime.now(UTC), line.rstrip("\n")))
     assert follower.wait(timeout=60) == 0, follower.stderr.read() if follower.stderr else ""
