@@ -240,6 +240,7 @@ def _prepare(verbose: bool) -> None:
         os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
         os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
         os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "ERROR")
+        os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # registration's
     else:
         os.environ["FLOWRL_VERBOSE"] = "1"
     from flowrl.infra.settings import get_settings

@@ -96,6 +96,8 @@ def test_sigkilled_job_resumes_from_its_last_checkpoint(
     assert second.wait(600) == 0, (tmp_path / "second.log").read_text()[-3000:]
     output = (tmp_path / "second.log").read_text()
     assert f"registered model                     : models:/{job_name}/" in output
+    # quiet by default: no third party's progress bars or warnings among flowrl's own lines
+    assert "Downloading artifacts" not in output and "WARNING" not in output, output[-3000:]
 
     result = json.loads(s3.cat(f"{moto_s3.bucket}/flowrl/jobs/{job_name}/result.json"))
     c = client()
