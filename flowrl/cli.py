@@ -32,7 +32,10 @@ from flowrl.cli_parser import SERVICES, command_parser
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        return _main(argv)
+        try:
+            return _main(argv)
+        finally:  # a reader that left shows here, not in the interpreter's flush at exit
+            sys.stdout.flush()
     except BrokenPipeError:  # the reader left (`flowrl jobs list | head -4`): stop, quietly
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

@@ -207,8 +207,12 @@ def test_jobs_wait_asks_again_while_the_prefect_api_restarts():
 
 def test_a_reader_that_leaves_ends_the_command_quietly(bare_user):
     """``flowrl config … | head -1``: the reader closes the pipe before the command writes; the
-    command stops, exit 1, without a traceback or a BrokenPipeError."""
+    command stops, exit 1, without a traceback or a BrokenPipeError. stdout block-buffered, as
+    a user's shell has it (no PYTHONUNBUFFERED): a short output meets the closed pipe only when
+    it is flushed, which the command does itself rather than leave to the interpreter's exit
+    (exit 120, "Exception ignored … BrokenPipeError"); `--help` too."""
     root, env = bare_user
+    env = {k: v for k, v in env.items() if k != "PYTHONUNBUFFERED"}
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the first line
     config = Path(__file__).resolve().parents[1] / "configs" / "arithmetic.yaml"
@@ -225,6 +229,21 @@ def test_a_reader_that_leaves_ends_the_command_quietly(bare_user):
     finally:
         os.close(write)
     assert out.returncode == 1 and out.stderr == "", out.stderr
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        helped = subprocess.run(
+            [sys.executable, "-m", "flowrl", "jobs", "--help"],
+            cwd=root / "cwd",
+            env=env,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)
+    assert helped.returncode == 1 and helped.stderr == "", helped.stderr
 
 
 UUID = "0b0e5f1c-4c0a-4b64-a3c5-7b9c9e1d8f00"

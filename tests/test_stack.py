@@ -327,14 +327,15 @@ def test_flowrl_jobs_finds_the_stack_from_any_directory(stack_env, probe_deploym
         "  seconds: 'soon' is not of type 'number'",
     ], out.stderr
     assert len(JobClient().list(limit=50)) == before
-    # a reader that leaves before the listing is written: exit 1, nothing on stderr
+    # a reader that leaves before the listing is written: exit 1, nothing on stderr (stdout
+    # block-buffered, as a user's shell has it)
     read, write = os.pipe()
     os.close(read)
     try:
         closed = subprocess.run(
             [sys.executable, "-m", "flowrl", "jobs", "list"],
             cwd=elsewhere,
-            env=env,
+            env={k: v for k, v in env.items() if k != "PYTHONUNBUFFERED"},
             stdout=write,
             stderr=subprocess.PIPE,
             text=True,
