@@ -422,15 +422,19 @@ def test_runs_on_the_worker_send_no_task_run_info_lines(stack_env, tmp_path):
 
 
 STEPPED_FLOW = """
+import os
 import time
 
 from prefect import flow, get_run_logger
 
 
 @flow(name="stepped")
-def stepped(steps: int = 6, fail: bool = False) -> None:
+def stepped(steps: int = 6, fail: bool = False, gate: str = "") -> None:
     log = get_run_logger()
     log.info("training: started")
+    deadline = time.monotonic() + 120
+    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the test opens the gate once its followers are following
     for k in range(1, steps + 1):
         time.sleep(1.0)
         log.info(f"step {k}/{steps}: reward {k / 10:.3f}, 1.00 s/step")
@@ -450,15 +454,28 @@ def test_jobs_logs_follow_and_wait_show_the_steps_as_they_come(stack_env, tmp_pa
     deployment = _deploy_source(stack_env, tmp_path, STEPPED_FLOW, "stepped")
     jobs = JobClient()
     env = _client_env(PREFECT_API_URL=os.environ["PREFECT_API_URL"])
-    run_id = jobs.submit(deployment, {"steps": 6})
+    gate = tmp_path / "go"
+    run_id = jobs.submit(deployment, {"steps": 6, "gate": str(gate)})
     command = [sys.executable, "-m", "flowrl", "jobs", "logs", run_id, "--follow"]
     pipes = {"cwd": tmp_path, "env": env, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
     follower = subprocess.Popen(command, text=True, **pipes)
     leaver = subprocess.Popen(command, text=True, **pipes)  # Ctrl-C'd at its first step line
-    arrived = []
-    assert follower.stdout is not None and leaver.stdout is not None
-    while "step 1/6" not in leaver.stdout.readline():
-        pass
+    arrived: list[tuple[datetime, str]] = []
+
+    def read_until(process: subprocess.Popen, text: str, keep: list | None = None) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:  # a follower that ends first fails the assertion below
+            if keep is not None:
+                keep.append((datetime.now(UTC), line.rstrip("\n")))
+            if text in line:
+                return
+        raise AssertionError(f"{text!r} never came: {process.wait()}, {keep}")
+
+    # The steps begin once both followers are following (a CLI's start under load is slow).
+    read_until(follower, "training: started", arrived)
+    read_until(leaver, "training: started")
+    gate.touch()
+    read_until(leaver, "step 1/6")
     leaver.send_signal(signal.SIGINT)
     _, said = leaver.communicate(timeout=30)
     assert leaver.returncode == 130, said
@@ -466,6 +483,7 @@ def test_jobs_logs_follow_and_wait_show_the_steps_as_they_come(stack_env, tmp_pa
         f"flowrl: stopped following {run_id}; the job goes on (`flowrl jobs cancel {run_id}` "
         "stops it)"
     ), said
+    assert follower.stdout is not None
     for line in follower.stdout:
         arrived.append((datetime.now(UTC), line.rstrip("\n")))
     assert follower.wait(timeout=60) == 0, follower.stderr.read() if follower.stderr else ""
