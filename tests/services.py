@@ -269,3 +269,25 @@ def assert_trained_exactly(turns: list, sampled: list[int], trainer, temperature
     recorded = [lp for lp, m in zip(t.logprobs, t.loss_mask, strict=True) if m]
     assert recomputed == pytest.approx(recorded, abs=1e-5)
     return t
+
+
+def flowrl_to_a_closed_pipe(
+    args: list[str], cwd: Path, env: dict[str, str]
+) -> subprocess.CompletedProcess:
+    """``python -m flowrl ARGS`` whose stdout reader is gone before the first line, stdout
+    block-buffered as a user's shell has it (no PYTHONUNBUFFERED)."""
+    env = {k: v for k, v in env.items() if k != "PYTHONUNBUFFERED"}
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "flowrl", *args],
+            cwd=cwd,
+            env=env,
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        os.close(write)

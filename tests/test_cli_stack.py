@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from services import flowrl_to_a_closed_pipe
 
 from flowrl.infra import stack
 
@@ -212,38 +213,10 @@ def test_a_reader_that_leaves_ends_the_command_quietly(bare_user):
     it is flushed, which the command does itself rather than leave to the interpreter's exit
     (exit 120, "Exception ignored … BrokenPipeError"); `--help` too."""
     root, env = bare_user
-    env = {k: v for k, v in env.items() if k != "PYTHONUNBUFFERED"}
-    read, write = os.pipe()
-    os.close(read)  # the reader is gone before the first line
     config = Path(__file__).resolve().parents[1] / "configs" / "arithmetic.yaml"
-    try:
-        out = subprocess.run(
-            [sys.executable, "-m", "flowrl", "config", str(config)],
-            cwd=root / "cwd",
-            env=env,
-            stdout=write,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=120,
-        )
-    finally:
-        os.close(write)
-    assert out.returncode == 1 and out.stderr == "", out.stderr
-    read, write = os.pipe()
-    os.close(read)
-    try:
-        helped = subprocess.run(
-            [sys.executable, "-m", "flowrl", "jobs", "--help"],
-            cwd=root / "cwd",
-            env=env,
-            stdout=write,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=120,
-        )
-    finally:
-        os.close(write)
-    assert helped.returncode == 1 and helped.stderr == "", helped.stderr
+    for args in (["config", str(config)], ["jobs", "--help"]):
+        out = flowrl_to_a_closed_pipe(args, root / "cwd", env)
+        assert out.returncode == 1 and out.stderr == "", (args, out.stderr)
 
 
 UUID = "0b0e5f1c-4c0a-4b64-a3c5-7b9c9e1d8f00"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from services import flowrl_to_a_closed_pipe
 
 from flowrl.infra.client import JobClient
 
@@ -329,20 +330,7 @@ def test_flowrl_jobs_finds_the_stack_from_any_directory(stack_env, probe_deploym
     assert len(JobClient().list(limit=50)) == before
     # a reader that leaves before the listing is written: exit 1, nothing on stderr (stdout
     # block-buffered, as a user's shell has it)
-    read, write = os.pipe()
-    os.close(read)
-    try:
-        closed = subprocess.run(
-            [sys.executable, "-m", "flowrl", "jobs", "list"],
-            cwd=elsewhere,
-            env={k: v for k, v in env.items() if k != "PYTHONUNBUFFERED"},
-            stdout=write,
-            stderr=subprocess.PIPE,
-            text=True,
-            timeout=120,
-        )
-    finally:
-        os.close(write)
+    closed = flowrl_to_a_closed_pipe(["jobs", "list"], elsewhere, env)
     assert closed.returncode == 1 and closed.stderr == "", closed.stderr
     assert list(elsewhere.iterdir()) == []  # no ./.flowrl, nothing else
 
