@@ -821,6 +821,64 @@ def test_top_k_distillation_targets_through_the_sdk(server: Server, tokenizer) -
     assert after < first.metrics["loss:sum"]
 
 
+def test_sparse_inputs_are_their_dense_tensors(server: Server, tokenizer) -> None:
+    """The SDK sends 2-D ``target_tokens`` and ``weights`` that are mostly zeros as sparse CSR
+    (``TensorData.from_torch_sparse``, as the cookbook's sdft and distillation do), and
+    ``target_prompt_logprobs`` with -1 cells left out: each answers as its dense tensor does.
+    Malformed CSR is a 400 naming it, and the session goes on."""
+    import torch
+
+    ids = tokenizer.encode("12+7=19")
+    n = len(ids) - 1
+    targets = np.zeros((n, 6), np.int64)
+    weights = np.zeros((n, 6), np.float32)
+    targets[:, 0], targets[::2, 1] = ids[1:], 5
+    weights[:, 0], weights[::2, 1] = 0.7, 0.3
+    model_input = types.ModelInput.from_ints(ids[:-1])
+
+    def datum(encode) -> types.Datum:  # noqa: ANN001
+        inputs = {"target_tokens": encode(targets), "weights": encode(weights)}
+        return types.Datum(model_input=model_input, loss_fn_inputs=inputs)
+
+    sparse = datum(lambda a: types.TensorData.from_torch_sparse(torch.from_numpy(a)))
+    assert sparse.loss_fn_inputs["weights"].sparse_crow_indices is not None
+    tc = server.client().create_lora_training_client(BASE, rank=4, seed=3).result()
+    got = tc.forward([sparse], "cross_entropy").result()
+    want = tc.forward([datum(types.TensorData.from_numpy)], "cross_entropy").result()
+    assert got.metrics["loss:sum"] == want.metrics["loss:sum"]
+    assert np.array_equal(
+        got.loss_fn_outputs[0]["logprobs"].to_numpy(),
+        want.loss_fn_outputs[0]["logprobs"].to_numpy(),
+    )
+    asks = np.full((len(ids) - 1, 4), -1, np.int64)
+    asks[:, 0], asks[3, 2] = ids[1:], 9
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    scored = [
+        sampler.sample(model_input, 1, types.SamplingParams(max_tokens=1), target_prompt_logprobs=t)
+        .result()
+        .target_prompt_logprobs.to_numpy()
+        for t in (
+            types.TensorData.from_numpy(asks[: n - 1]),
+            types.TensorData.from_torch_sparse(torch.from_numpy(asks[: n - 1]), pad_value=-1),
+        )
+    ]
+    assert np.array_equal(*scored)
+    crow = sparse.loss_fn_inputs["weights"].sparse_crow_indices
+    nnz = crow[-1]
+    for shape, bad, word in (
+        ([n, 6], dict(sparse_crow_indices=crow, sparse_col_indices=[99] * nnz), "columns"),
+        ([n, 6], dict(sparse_crow_indices=crow[:-1], sparse_col_indices=[0] * nnz), "pointers"),
+        ([n, 10**9], dict(sparse_crow_indices=crow, sparse_col_indices=[0] * nnz), "cells"),
+    ):
+        hostile = types.TensorData(data=[1.0] * nnz, dtype="float32", shape=shape, **bad)
+        inputs = {**sparse.loss_fn_inputs, "weights": hostile}
+        with pytest.raises(tinker.BadRequestError, match=word):
+            bad_datum = types.Datum(model_input=model_input, loss_fn_inputs=inputs)
+            tc.forward([bad_datum], "cross_entropy").result()
+    again = tc.forward([sparse], "cross_entropy").result()
+    assert again.metrics["loss:sum"] == got.metrics["loss:sum"]
+
+
 def test_checkpoint_ttls_and_publishing(server: Server) -> None:
     """A checkpoint saved with ``ttl_seconds`` lists when it expires (a TTL outside 1 hour to
     10 years is a 400); a name taken is a 400 unless ``overwrite``; ``set_checkpoint_ttl`` moves

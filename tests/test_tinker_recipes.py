@@ -191,12 +191,33 @@ def datasets_of_the_hub() -> list[dict[str, Any]]:
             "splits": {"train": comparisons[:48], "test": comparisons[48:]},
         },
         {"repo": "zwhe99/DeepMath-103K", "splits": {"train": [{"question": q} for q in FOURS * 8]}},
+        {"repo": "hicai-zju/SciKnowEval", "splits": {"test": sciknoweval(random.Random(0), 60)}},
         {
             "repo": "dpdl-benchmark/caltech101",
             "splits": photos,
             "features": {"image": "image", "label": {"names": list(PHOTOS)}},
         },
     ]
+
+
+def sciknoweval(rng: random.Random, n: int) -> list[dict[str, Any]]:
+    """SciKnowEval's stand-in for sdft: ``n`` L3 Chemistry multiple-choice rows in its columns
+    (a sum, four options, the right one's letter)."""
+    rows = []
+    for a, b in sums(rng, n):
+        options = [a + b, a + b + 1, a + b - 1, a + b + 2]
+        rng.shuffle(options)
+        rows.append(
+            {
+                "domain": "Chemistry",
+                "details": {"level": "L3"},
+                "type": "mcq-4-choices",
+                "question": f"What is {a} + {b}?",
+                "choices": {"label": list("ABCD"), "text": [str(o) for o in options]},
+                "answerKey": "ABCD"[options.index(a + b)],
+            }
+        )
+    return rows
 
 
 def photos_of(rng: random.Random, per_class: int) -> list[dict[str, Any]]:
@@ -551,10 +572,15 @@ def test_vlm_classifier_learns_to_name_the_photos(cookbook: Cookbook) -> None:
     assert evals[-1]["test/nll"] < 0.1 * evals[0]["test/nll"], evals
 
 
-def _taught(cookbook: Cookbook, answers: tuple[int, ...]) -> Any:
+def _taught(
+    cookbook: Cookbook,
+    answers: tuple[object, ...],
+    questions: list[str] = FOURS,
+    form: str = "\\boxed{{{}}}",
+) -> Any:
     """A training client of ``Qwen/Qwen3-8B`` with an adapter taught (30 SL steps through the
-    SDK) to answer each deepmath stand-in question with ``\\boxed{k}``, k one of ``answers``
-    about evenly."""
+    SDK) to answer each of ``questions`` (deepmath's stand-in) with ``form`` of k
+    (``\\boxed{k}``), k one of ``answers`` about evenly."""
     import tinker
     from tinker import types
 
@@ -562,8 +588,8 @@ def _taught(cookbook: Cookbook, answers: tuple[int, ...]) -> Any:
 
     chat = HFChatFormat.from_folder(cookbook.folder)
     data = []
-    for question, answer in itertools.product(FOURS, answers):
-        reply = chat.encode_reply(f"<think>\n\n</think>\n\n\\boxed{{{answer}}}")
+    for question, answer in itertools.product(questions, answers):
+        reply = chat.encode_reply("<think>\n\n</think>\n\n" + form.format(answer))
         prompt = chat.encode_prompt([{"role": "user", "content": question}])
         tokens = prompt + reply
         weights = [0.0] * (len(prompt) - 1) + [1.0] * len(reply)
@@ -608,3 +634,86 @@ def test_on_policy_distillation_brings_the_student_to_its_teacher(cookbook: Cook
     assert len(kl) == 16, kl
     first, last = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
     assert last < 0.6 * first, kl
+
+
+def test_sdft_teaches_the_student_what_its_teacher_answers(cookbook: Cookbook) -> None:
+    """``recipes/sdft/train.py`` (SciKnowEval's multiple-choice questions) with its top-k
+    distillation: the teacher is the base model shown the golden answer as a demonstration,
+    the student sees the question alone and is trained on its own samples towards the
+    teacher's top-k next tokens (the teacher's ``topk_prompt_logprobs``; ``cross_entropy`` on
+    the SDK's sparse 2-D ``(N, K)`` targets and weights). The student starts from a checkpoint
+    taught to answer ``<answer>A</answer>`` to every question; after SDFT it gives that reply
+    far less, and the teacher's own (greedy) replies far more, than it did."""
+    import tinker
+    from tinker import types
+
+    from flowrl.backends.models.chat import HFChatFormat
+
+    rows = sciknoweval(random.Random(0), 60)  # as datasets_of_the_hub's draws them
+    questions = [
+        f"{row['question']}\n\n"
+        + "\n".join(
+            f"{k}: {t}"
+            for k, t in zip(row["choices"]["label"], row["choices"]["text"], strict=True)
+        )
+        + "\nPlease reason step by step, then give your answer as <answer>X</answer> where X "
+        "is the letter of the correct option."
+        for row in rows
+    ]
+    student = _taught(cookbook, ("A",), questions, "<answer>{}</answer>")
+    log = cookbook.home / "sdft"
+    cookbook.run(
+        "sdft.train",
+        log,
+        f"load_checkpoint_path={student.save_state('sdft-student').result().path}",
+        "dataset=sciknoweval",
+        "groups_per_batch=4",
+        "group_size=2",
+        "topk=5",
+        "max_tokens=24",
+        "learning_rate=5e-3",
+        "lora_rank=8",
+        "max_steps=12",
+        "eval_every=0",
+        "save_every=0",
+        "behavior_if_log_dir_exists=delete",
+    )
+    done = [m for m in metrics(log) if "sdft/mean_teacher_entropy" in m]
+    assert len(done) == 12, done
+    final = json.loads((log / "checkpoints.jsonl").read_text().splitlines()[-1])
+    client = tinker.ServiceClient(base_url=cookbook.url, api_key=KEY)
+    chat = HFChatFormat.from_folder(cookbook.folder)
+    teacher = client.create_sampling_client(base_model=BASE)
+    greedy = types.SamplingParams(max_tokens=24, temperature=0.0)
+    taught = chat.encode_reply("<think>\n\n</think>\n\n<answer>A</answer>")
+    replies: dict[str, list[list[int]]] = {"taught": [], "teacher": []}
+    prompts = []
+    for row, question in zip(rows[:8], questions[:8], strict=True):
+        shown = question + "\n\nThis is an example for a response to the question:\n"
+        shown += row["answerKey"] + "\n\nNow answer with a response of your own, including "
+        shown += "the thinking process."  # the recipe's DEFAULT_DEMO_TEMPLATE
+        reply = teacher.sample(
+            types.ModelInput.from_ints(chat.encode_prompt([{"role": "user", "content": shown}])),
+            1,
+            greedy,
+        ).result()
+        prompts.append(chat.encode_prompt([{"role": "user", "content": question}]))
+        replies["teacher"].append(list(reply.sequences[0].tokens))
+        replies["taught"].append(taught)
+
+    def mean_logprob(path: str, which: str) -> float:
+        """The sampler at ``path``'s mean log-prob per token of ``which`` replies."""
+        sampler = client.create_sampling_client(model_path=path)
+        total = count = 0.0
+        for prompt, reply in zip(prompts, replies[which], strict=True):
+            scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + reply)).result()
+            total += sum(scored[len(prompt) :])
+            count += len(reply)
+        return total / count
+
+    before_path = student.save_weights_for_sampler("sdft-before").result().path
+    before = {w: mean_logprob(before_path, w) for w in replies}
+    after = {w: mean_logprob(final["sampler_path"], w) for w in replies}
+    print(json.dumps({"before": before, "after": after}))  # shown with -s
+    assert after["taught"] < before["taught"] - 1.5, (before, after)
+    assert after["teacher"] > before["teacher"] + 1.0, (before, after)

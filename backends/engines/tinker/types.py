@@ -236,6 +236,43 @@ class ForwardOutput:
 # --------------------------------------------------------------------------- validation
 
 
+def csr_dense(
+    what: str,
+    values: np.ndarray,
+    crow: Sequence[int],
+    col: Sequence[int],
+    shape: Sequence[int],
+    fill: float,
+    max_cells: int,
+) -> np.ndarray:
+    """A sparse CSR tensor (the SDK's ``TensorData.from_torch_sparse``: ``values``, row
+    pointers ``crow``, column indices ``col``, the dense ``shape``) as its dense 2-D array,
+    ``fill`` in every unlisted cell: 0 for ``loss_fn_inputs`` (the SDK leaves zeros out of
+    ``target_tokens`` and ``weights``), -1 for ``target_prompt_logprobs`` (an unlisted cell
+    asks nothing). Every index is checked before one is used; a shape of more than
+    ``max_cells`` cells is refused before it is allocated."""
+    if len(shape) != 2 or min(shape) < 0:
+        raise TinkerInputError(f"{what}: a sparse CSR tensor needs a 2-D shape, got {list(shape)}")
+    rows, cols = int(shape[0]), int(shape[1])
+    if rows * cols > max_cells:
+        raise TinkerInputError(f"{what}: sparse shape {list(shape)} is above {max_cells} cells")
+    crow_a, col_a = np.asarray(crow, dtype=np.int64), np.asarray(col, dtype=np.int64)
+    nnz = len(values)
+    if len(crow_a) != rows + 1 or crow_a[0] != 0 or crow_a[-1] != nnz or len(col_a) != nnz:
+        raise TinkerInputError(
+            f"{what}: sparse CSR of {rows} rows needs {rows + 1} row pointers from 0 to "
+            f"{nnz} (the values) and {nnz} column indices; got {len(crow_a)} pointers and "
+            f"{len(col_a)} columns"
+        )
+    if np.any(np.diff(crow_a) < 0) or (nnz and (col_a.min() < 0 or col_a.max() >= cols)):
+        raise TinkerInputError(
+            f"{what}: sparse CSR row pointers must not decrease and columns must be 0..{cols - 1}"
+        )
+    dense = np.full((rows, cols), fill, dtype=values.dtype)
+    dense[np.repeat(np.arange(rows), np.diff(crow_a)), col_a] = values
+    return dense
+
+
 def check_tokens(tokens: Sequence[int], vocab_size: int, what: str) -> None:
     if tokens and (min(tokens) < 0 or max(tokens) >= vocab_size):
         bad = next(t for t in tokens if t < 0 or t >= vocab_size)
@@ -459,8 +496,6 @@ def prompt_scoring(req: Any, length: int) -> PromptScoring:
 
 
 def _targets(tensor: Any, length: int) -> np.ndarray:
-    if tensor.sparse_crow_indices is not None or tensor.sparse_col_indices is not None:
-        raise TinkerInputError("target_prompt_logprobs: sparse CSR is not supported here (dense)")
     shape = tensor.shape or [len(tensor.data)]
     if len(shape) != 2 or shape[0] != length - 1 or not 1 <= shape[1] <= MAX_TOPK:
         raise TinkerInputError(
@@ -468,6 +503,10 @@ def _targets(tensor: Any, length: int) -> np.ndarray:
             f"(the prompt's length - 1, K of 1..{MAX_TOPK})"
         )
     ids = np.asarray(tensor.data, dtype=np.int64)
+    if tensor.sparse_crow_indices is not None or tensor.sparse_col_indices is not None:
+        crow, col = tensor.sparse_crow_indices or [], tensor.sparse_col_indices or []
+        what = "target_prompt_logprobs"
+        return csr_dense(what, ids, crow, col, shape, -1, shape[0] * shape[1])
     if ids.size != shape[0] * shape[1]:
         raise TinkerInputError(f"target_prompt_logprobs: {ids.size} values for shape {shape}")
     return ids.reshape(shape)

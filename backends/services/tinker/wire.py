@@ -16,11 +16,13 @@ from tinker.proto import tinker_public_pb2 as pb
 
 from flowrl.backends.engines.tinker.types import (
     IMAGE_SLOT,
+    MAX_TOPK,
     Datum,
     ForwardOutput,
     ImageInput,
     SampleOutput,
     TinkerInputError,
+    csr_dense,
     image_input,
 )
 
@@ -98,26 +100,35 @@ def _datum(i: int, msg: pb.Datum) -> Datum:
         tokens.extend(np.frombuffer(raw, dtype=np.int32).tolist())
     if len(msg.model_input_spans) or len(msg.loss_fn_input_spans):
         raise TinkerInputError(f"datum {i}: provenance spans are not supported here")
+    cells = max(len(tokens), 1) * MAX_TOPK  # a sparse input's most: [len(tokens), K]
     inputs = {
-        name: _tensor(f"datum {i}: loss_fn_inputs[{name!r}]", t)
+        name: _tensor(f"datum {i}: loss_fn_inputs[{name!r}]", t, cells)
         for name, t in msg.loss_fn_inputs.items()
     }
     return Datum(tokens, inputs, images)
 
 
-def _tensor(what: str, msg: pb.Tensor) -> np.ndarray:
-    if msg.HasField("sparse_csr"):
-        raise TinkerInputError(f"{what}: sparse tensors are not supported here")
+def _tensor(what: str, msg: pb.Tensor, max_sparse_cells: int) -> np.ndarray:
     dtype = _NUMPY.get(msg.dtype)
     if dtype is None:
         raise TinkerInputError(f"{what}: dtype {msg.dtype} is not supported (float32, int64)")
-    if len(msg.dense) % dtype.itemsize:
-        raise TinkerInputError(f"{what}: {len(msg.dense)} bytes are not whole {dtype} values")
-    values = np.frombuffer(msg.dense, dtype=dtype)
+    if msg.HasField("sparse_csr"):  # the SDK sends 2-D target_tokens and weights so
+        csr = msg.sparse_csr
+        values = _whole(what, csr.values, dtype)
+        crow = _whole(what + " row pointers", csr.crow_indices, np.dtype(np.int64))
+        col = _whole(what + " column indices", csr.col_indices, np.dtype(np.int64))
+        return csr_dense(what, values, crow, col, list(msg.shape), 0, max_sparse_cells)
+    values = _whole(what, msg.dense, dtype)
     shape = list(msg.shape) or [len(values)]
     if int(np.prod(shape)) != len(values):
         raise TinkerInputError(f"{what}: shape {shape} does not hold {len(values)} values")
     return values.reshape(shape)
+
+
+def _whole(what: str, raw: bytes, dtype: np.dtype) -> np.ndarray:
+    if len(raw) % dtype.itemsize:
+        raise TinkerInputError(f"{what}: {len(raw)} bytes are not whole {dtype} values")
+    return np.frombuffer(raw, dtype=dtype)
 
 
 def write_forward_output(out: ForwardOutput) -> bytes:
