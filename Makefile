@@ -78,10 +78,10 @@ test: setup-test
 lint: $(DEV_STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
-bench: $(DEV_STAMP)
+bench: $(DEV_STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/step_time.py --out docs/benchmarks/step_time.md
 
-bench-trl: $(DEV_STAMP)
+bench-trl: $(DEV_STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/trl_compare.py --trl-threads 1 2 --flowrl-set resources.trainer_threads=2 --out docs/benchmarks.md
 
 clean:

@@ -81,7 +81,7 @@ def _main(argv: list[str] | None) -> int:
         task = env.task(config.seed) if env is not None and args.command == "train" else None
         check_chat_template(model.source, model.chat_format, model.tool_messages, task)
         resources = getattr(config, "resources", None)
-        if resources is not None and resources.sampler_backend != "hf":
+        if resources is not None and resources.sampler_backend == "vllm":
             from flowrl.backends.policy.resources import SAMPLER_BACKENDS
             from flowrl.backends.policy.workers import backend_runtime_env
 

@@ -22,11 +22,12 @@ from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flowrl.backends.models.lora_export import lora_export
+from flowrl.backends.models.model_folder import is_vision_language, weight_count
 from flowrl.backends.models.model_uri import resolve_model_uri
 from flowrl.backends.policy import live
 from flowrl.backends.policy.actors import PolicyRef, sampler, stop_policy, worker_nodes
 from flowrl.backends.policy.placement import Placement
-from flowrl.backends.policy.resources import SharedWorkerSettings
+from flowrl.backends.policy.resources import SamplerChoice, SharedWorkerSettings, pick_sampler
 from flowrl.backends.policy.workers import admission_limit
 from flowrl.backends.types import LoraSettings, WorkerSpec
 from flowrl.environments.remote import stop_env_pool
@@ -222,6 +223,23 @@ def _wait_for_tracking(say: Callable[[str], None], wait_s: float = TRACKING_WAIT
     say(f"the tracking server answers after {time.monotonic() - began:.0f} s")
 
 
+def auto_sampler(resources: Any, folder: str) -> SamplerChoice:
+    """``resources.sampler_backend: auto`` for the job's ``resources`` and its model's local
+    folder: its size (safetensors headers), whether it takes images, and whether vLLM's venv
+    is on this machine (``backends.policy.resources.pick_sampler`` decides)."""
+    settings = get_settings()
+    python = settings.resolved_vllm_python
+    return pick_sampler(
+        parameters=weight_count(folder),
+        vision=is_vision_language(folder),
+        colocate=resources.colocate,
+        placement=resources.placement,
+        vllm_python=str(python),
+        vllm_present=python.exists(),
+        min_parameters=settings.vllm_auto_min_parameters,
+    )
+
+
 class JobRun:
     """One run of a job of any kind, from admission to finish or failure.
 
@@ -360,6 +378,23 @@ class JobRun:
         started with this run's ``shared_worker_settings``."""
         return self.config.placement_for(shared_worker_settings())
 
+    def pick_sampler(self, model_uri: str) -> JobConfig:
+        """The job's config with ``resources.sampler_backend: auto`` decided for the model
+        ``model_uri`` (``auto_sampler``), said in the job's log and as the MLflow run's tags
+        ``sampler_backend`` and ``sampler_backend.why``; the config as it is when it names an
+        engine. The job's placements use the pick from then on (``start_policy`` picks for its
+        model if the flow has not): call it before a stage places workers of its own
+        (warm-up)."""
+        resources = getattr(self.config, "resources", None)
+        if resources is None or resources.sampler_backend != "auto":
+            return self.config
+        choice = auto_sampler(resources, resolve_model_uri(model_uri, self.ctx.cache_dir))
+        picked = resources.model_copy(update={"sampler_backend": choice.backend})
+        self.config = self.config.model_copy(update={"resources": picked})
+        self.say(f"sampler: {choice.backend} (resources.sampler_backend auto: {choice.why})")
+        self.set_tags({"sampler_backend": choice.backend, "sampler_backend.why": choice.why})
+        return self.config
+
     def start_model(self, model_uri: str) -> PolicyRef:
         """The policy that serves the model ``model_uri`` as the job's placement says: workers
         of its own, or (``Placement.adapters_on_base``: a shared worker's tenant) the
@@ -399,6 +434,7 @@ class JobRun:
         where a backend cannot restart they are stopped and new ones start. The Ray node of
         each is a tag of the MLflow run (``node/sampler-0``, ``node/trainer``). ``lora``: the
         policy's LoRA settings, if not the job's (``start_lora_version``)."""
+        self.pick_sampler(model_uri)
         spec = self._spec(model_uri, lora)
         placement = self.placement()
         self._admit(placement, model_uri)  # a shared worker's tenant: its slot, before it joins

@@ -62,6 +62,7 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
     with JobRun(config, resume=True, columns=COLUMNS) as job:
         # Every stage is submitted to the task runner: each runs as a Ray task on the cluster.
         base_uri = prepare_model.submit(config, job.ctx).result()
+        config = job.pick_sampler(base_uri)  # warm-up places workers with it
         # A warm-up that ran hands over its workers: RL restarts them, no new processes.
         with job.phase("warm-up", warmup_plan(config)) as phase:
             warm = warmup.submit(config, job.ctx, base_uri, keep_workers=True).result()
@@ -84,8 +85,7 @@ def rl_train(config: RLJobConfig = RLJobConfig()) -> RLResult:  # noqa: B008
             ahead=config.schedule.staleness_bound,
             total_steps=config.schedule.steps,
         )
-        clock = StepClock()
-        total = config.schedule.steps
+        clock, total = StepClock(), config.schedule.steps
         plan = f"steps {start + 1}-{total}" if start < total else "no steps left"
         plan += f", resumed from the checkpoint at step {start}" if resumed else ", fresh start"
         with job.phase("RL", plan) as phase:

@@ -76,6 +76,7 @@ def self_play(config: SelfPlayJobConfig = SelfPlayJobConfig()) -> SelfPlayResult
     owners = trained_policies(config)
     with JobRun(config, resume=True, columns=columns(owners)) as job:
         base_uri = prepare_model.submit(config, job.ctx).result()
+        config = job.pick_sampler(base_uri)  # warm-up places workers with it
         with job.phase("warm-up", warmup_plan(config)) as phase:
             warm = warmup.submit(config, job.ctx, base_uri, keep_workers=True).result()
             phase.result = describe_warmup(warm)

@@ -148,6 +148,14 @@ class Settings(BaseSettings):
         "Ray actor runs on it, so vLLM's pins never meet flowrl's. Unset = .venv-vllm/bin/python "
         "in flowrl's checkout. On a cluster: that venv's path on every node.",
     )
+    vllm_auto_min_parameters: int = Field(
+        default=1_000_000,
+        ge=0,
+        description="resources.sampler_backend auto picks vLLM (where its venv is) for a model "
+        "of at least this many parameters: on this project's 2-core CPU vLLM sampled 1.15x "
+        "slower than HF at 0.34M parameters, 2.1x faster at 3.2M, and starts ~8 s later "
+        "(docs/benchmarks/engines.md).",
+    )
     vllm_cpu_kv_cache_mb: int = Field(
         default=512,
         ge=16,

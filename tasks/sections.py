@@ -422,11 +422,15 @@ class ScheduleSection(_Section, title="Schedule"):
 
 
 class ResourcesSection(_Section, title="Resources"):
-    sampler_backend: Literal["hf", "vllm"] = Field(
-        default="hf",
-        description="Sampler engine: hf (transformers' generate, in flowrl's venv) or vllm "
-        "(vLLM in a venv of its own, `make setup-vllm`; CPU or CUDA): the sampler of "
-        "rollouts, evaluations and batch inference.",
+    sampler_backend: Literal["auto", "hf", "vllm"] = Field(
+        default="auto",
+        description="Sampler engine: hf (transformers' generate, in flowrl's venv), vllm "
+        "(vLLM in a venv of its own, `make setup-vllm`; CPU or CUDA), or auto: picked when the "
+        "job starts, vllm where its venv is there and the model has at least "
+        "FLOWRL_VLLM_AUTO_MIN_PARAMETERS parameters (1M) and can run on it (no images, not "
+        "colocated, not a shared tenant), else hf; the job's log and its MLflow tags "
+        "sampler_backend / sampler_backend.why say which and why. The sampler of rollouts, "
+        "evaluations and batch inference.",
     )
     trainer_backend: Literal["torch", "deepspeed", "deepspeed_zero3"] = Field(
         default="torch", description="Trainer backend: torch, deepspeed (ZeRO-2), deepspeed_zero3."
@@ -500,10 +504,15 @@ class ResourcesSection(_Section, title="Resources"):
         if self.placement != "shared":
             return self
         backends = (self.sampler_backend, self.trainer_backend)
-        if self.samplers > 1 or backends != ("hf", "torch") or self.colocate is False:
+        if (
+            self.samplers > 1
+            or backends[1] != "torch"
+            or backends[0] == "vllm"
+            or (self.colocate is False)
+        ):
             raise ValueError(
                 "resources.placement shared: a tenant has one sampler and one trainer on the "
-                "shared worker (resources.samplers 1, sampler_backend hf, trainer_backend "
+                "shared worker (resources.samplers 1, sampler_backend hf or auto, trainer_backend "
                 f"torch, colocate unset); got samplers={self.samplers}, backends={backends}, "
                 f"colocate={self.colocate}"
             )

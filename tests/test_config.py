@@ -236,3 +236,47 @@ def test_retrain_refuses_a_negative_min_improvement():
 
     with pytest.raises(ConfigError, match="min_improvement"):
         load_config(None, ["min_improvement=-1e9"], RetrainConfig)
+
+
+def test_sampler_auto_is_the_default_and_its_rules_give_their_reason(model_dir, tmp_path):
+    """``resources.sampler_backend`` defaults to auto, which a job decides when it starts
+    (``pick_sampler``): vLLM for a model of at least the settings' size where vLLM's venv is
+    and the job can run it; else HF, each time saying why. The size is read from the
+    safetensors headers alone (the tiny model: 0.34M numbers); a file that is not
+    safetensors gives no size, and HF."""
+    from flowrl.backends.models.model_folder import weight_count
+    from flowrl.backends.policy.resources import pick_sampler
+
+    assert RLJobConfig().resources.sampler_backend == "auto"
+    assert Settings().vllm_auto_min_parameters == 1_000_000
+    count = weight_count(model_dir)
+    assert count is not None and 330_000 < count < 350_000, count
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes((10**12).to_bytes(8, "little") + b"{}")
+    assert weight_count(str(bad)) is None and weight_count(str(tmp_path)) is None
+    job = dict(vision=False, colocate=None, placement="own", vllm_python="/v/bin/python")
+    big = dict(parameters=3_200_000, min_parameters=1_000_000)
+    cases = [
+        ({**job, **big, "vllm_present": True}, "vllm", "3.20M parameters, at least"),
+        ({**job, **big, "vllm_present": False}, "hf", "no vLLM venv at /v/bin/python"),
+        (
+            {**job, "parameters": count, "min_parameters": 10**6, "vllm_present": True},
+            "hf",
+            "0.34M parameters, below",
+        ),
+        ({**job, **big, "vllm_present": True, "vision": True}, "hf", "takes no images"),
+        ({**job, **big, "vllm_present": True, "colocate": True}, "hf", "colocate"),
+        ({**job, **big, "vllm_present": True, "placement": "shared"}, "hf", "shared worker"),
+        (
+            {**job, "parameters": None, "min_parameters": 0, "vllm_present": True},
+            "hf",
+            "size is unknown",
+        ),
+    ]
+    for kwargs, backend, why in cases:
+        choice = pick_sampler(**kwargs)
+        assert (choice.backend, why in choice.why) == (backend, True), (kwargs, choice)
+    shared = {"placement": "shared", "sampler_backend": "vllm"}
+    with pytest.raises(ValueError, match="sampler_backend hf or auto"):
+        RLJobConfig.model_validate({"model": {"lora": {"enabled": True}}, "resources": shared})

@@ -182,15 +182,21 @@ def test_an_rl_job_sampled_by_vllm_learns(trained_on_vllm):
     assert len(mismatch) == STEPS and max(mismatch) < 1e-3
 
 
-def test_a_registered_version_runs_batch_inference_and_evaluation_on_vllm(trained_on_vllm):
+def test_a_registered_version_runs_batch_inference_and_evaluation_on_vllm(
+    trained_on_vllm, monkeypatch
+):
     """The version the job registered, served by vLLM: batch inference writes its scored
     episodes (greedy: both samples of a prompt alike), and an evaluation's greedy accuracy is
-    the job's own final held-out accuracy."""
+    the job's own final held-out accuracy. The inference job leaves ``sampler_backend`` at its
+    default, auto, with the size from which it picks vLLM lowered under the tiny model's: it
+    picks vLLM, and its MLflow run says so and why."""
     from flowrl.flows.evaluate import evaluate
     from flowrl.flows.inference import batch_inference
+    from flowrl.infra.tracking import client
     from flowrl.tasks.schemas import EvalJobConfig, InferenceJobConfig, load_job
 
     config, result = trained_on_vllm
+    monkeypatch.setenv("FLOWRL_VLLM_AUTO_MIN_PARAMETERS", "100000")  # the tiny model: 0.34M
     inference = batch_inference(
         InferenceJobConfig.model_validate(
             {
@@ -199,11 +205,13 @@ def test_a_registered_version_runs_batch_inference_and_evaluation_on_vllm(traine
                 "env": config.env.model_dump(),
                 "num_prompts": 12,
                 "samples_per_prompt": 2,
-                "resources": {"sampler_backend": "vllm"},
             }
         )
     )
     assert inference.num_episodes == 24
+    tags = client().get_run(inference.mlflow_run_id).data.tags
+    assert tags["sampler_backend"] == "vllm", tags
+    assert "0.34M parameters" in tags["sampler_backend.why"], tags
     evaluation = evaluate(
         load_job(
             None,

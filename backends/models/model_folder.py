@@ -70,3 +70,29 @@ def load_causal_lm(path: str, dtype: torch.dtype | None = None) -> PreTrainedMod
     dtype = torch.float32 if dtype is None else dtype
     auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
     return auto.from_pretrained(path, dtype=dtype).eval()
+
+
+MAX_SAFETENSORS_HEADER = 64 << 20
+
+
+def weight_count(path: str) -> int | None:
+    """How many numbers the local HF folder ``path``'s weights hold (its parameters and
+    buffers), summed from the headers of its ``*.safetensors`` files without loading a tensor;
+    None where it has none (``.bin`` weights) or a header is not a safetensors header."""
+    total, files = 0, sorted(Path(path).glob("*.safetensors"))
+    for file in files:
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= MAX_SAFETENSORS_HEADER:
+                return None
+            try:
+                header = json.loads(f.read(size))
+            except ValueError:
+                return None
+        for name, entry in header.items():
+            if name != "__metadata__":
+                numel = 1
+                for dim in entry.get("shape", ()):
+                    numel *= int(dim)
+                total += numel
+    return total if files else None

@@ -449,6 +449,8 @@ def place(
     the share of ``gpus``."""
     if kind not in PLACEMENTS:
         raise ValueError(f"unknown placement {kind!r}; known: {', '.join(PLACEMENTS)}")
+    if sampler_backend == "auto":  # a job picks before it places (JobRun.pick_sampler)
+        sampler_backend = "hf"
     if kind == "own" and colocate is None:
         backends = (sampler_backend, trainer_backend)
         colocate = on_policy and samplers == 1 and backends == ("hf", "torch")

@@ -86,6 +86,54 @@ def shared_worker_name(spec: WorkerSpec) -> str:
     return f"shared-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
 
 
+@dataclass(frozen=True)
+class SamplerChoice:
+    """The sampler engine ``resources.sampler_backend: auto`` picked for a job, and why."""
+
+    backend: str
+    why: str
+
+
+def pick_sampler(
+    *,
+    parameters: int | None,
+    vision: bool,
+    colocate: bool | None,
+    placement: str,
+    vllm_python: str,
+    vllm_present: bool,
+    min_parameters: int,
+) -> SamplerChoice:
+    """``resources.sampler_backend: auto``: vLLM where it can serve the job, its venv is there
+    (``vllm_present``: ``vllm_python`` exists) and the model has at least ``min_parameters``
+    parameters (below that, on a CPU, vLLM's start-up and per-call cost are not paid back:
+    docs/benchmarks/engines.md); else HF. The first rule that decides gives its reason."""
+    if placement == "shared":
+        return SamplerChoice("hf", "a shared worker's tenant samples on the worker's hf engine")
+    if colocate:
+        return SamplerChoice("hf", "resources.colocate: the vLLM engine needs a process of its own")
+    if vision:
+        return SamplerChoice("hf", "a vision-language model: the vLLM sampler takes no images")
+    if parameters is None:
+        return SamplerChoice("hf", "the model's size is unknown (no safetensors weights)")
+    size = f"{parameters / 1e6:.2f}M parameters"
+    if parameters < min_parameters:
+        return SamplerChoice(
+            "hf",
+            f"{size}, below FLOWRL_VLLM_AUTO_MIN_PARAMETERS ({min_parameters:,}), where vLLM's "
+            "start-up and per-call cost outweigh its speed",
+        )
+    if not vllm_present:
+        return SamplerChoice(
+            "hf", f"{size}, but no vLLM venv at {vllm_python} (`make setup-vllm` adds it)"
+        )
+    return SamplerChoice(
+        "vllm",
+        f"{size}, at least FLOWRL_VLLM_AUTO_MIN_PARAMETERS ({min_parameters:,}), and "
+        f"vLLM's venv at {vllm_python}",
+    )
+
+
 def pick_backend(registry: dict[str, str], name: str, what: str) -> str:
     """The ``module:Class`` of backend ``name`` in ``registry``; an unknown name raises."""
     if name not in registry:
