@@ -385,8 +385,10 @@ class JobRun:
         engine. The job's placements use the pick from then on (``start_policy`` picks for its
         model if the flow has not): call it before a stage places workers of its own
         (warm-up)."""
-        resources = getattr(self.config, "resources", None)
-        if resources is None or resources.sampler_backend != "auto":
+        if "resources" not in type(self.config).model_fields:  # e.g. retrain's, its job's
+            return self.config  # (its rl-train subflow picks; its evaluations take hf)
+        resources = self.config.resources
+        if resources.sampler_backend != "auto":
             return self.config
         choice = auto_sampler(resources, resolve_model_uri(model_uri, self.ctx.cache_dir))
         picked = resources.model_copy(update={"sampler_backend": choice.backend})

@@ -417,15 +417,21 @@ from prefect import flow, get_run_logger
 
 
 @flow(name="stepped")
-def stepped(steps: int = 6, fail: bool = False, gate: str = "") -> None:
+def stepped(steps: int = 6, fail: bool = False, gate: str = "", hold: str = "") -> None:
     log = get_run_logger()
     log.info("training: started")
-    deadline = time.monotonic() + 120
-    while gate and not os.path.exists(gate) and time.monotonic() < deadline:
-        time.sleep(0.1)  # the test opens the gate once its followers are following
+
+    def wait_for(path: str) -> None:
+        deadline = time.monotonic() + 120
+        while path and not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+
+    wait_for(gate)  # the test opens the gate once its followers are following
     for k in range(1, steps + 1):
         time.sleep(1.0)
         log.info(f"step {k}/{steps}: reward {k / 10:.3f}, 1.00 s/step")
+        if k == 1:
+            wait_for(hold)  # and this one once it has Ctrl-C'd a follower at step 1
     if fail:
         raise RuntimeError("the stepped flow fails as asked")
 """
@@ -442,8 +448,8 @@ def test_jobs_logs_follow_and_wait_show_the_steps_as_they_come(stack_env, tmp_pa
     deployment = _deploy_source(stack_env, tmp_path, STEPPED_FLOW, "stepped")
     jobs = JobClient()
     env = _client_env(PREFECT_API_URL=os.environ["PREFECT_API_URL"])
-    gate = tmp_path / "go"
-    run_id = jobs.submit(deployment, {"steps": 6, "gate": str(gate)})
+    gate, hold = tmp_path / "go", tmp_path / "on"
+    run_id = jobs.submit(deployment, {"steps": 6, "gate": str(gate), "hold": str(hold)})
     command = [sys.executable, "-m", "flowrl", "jobs", "logs", run_id, "--follow"]
     pipes = {"cwd": tmp_path, "env": env, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
     follower = subprocess.Popen(command, text=True, **pipes)
@@ -471,6 +477,7 @@ def test_jobs_logs_follow_and_wait_show_the_steps_as_they_come(stack_env, tmp_pa
         f"flowrl: stopped following {run_id}; the job goes on (`flowrl jobs cancel {run_id}` "
         "stops it)"
     ), said
+    hold.touch()  # the job held after step 1: it cannot have ended before the Ctrl-C
     assert follower.stdout is not None
     for line in follower.stdout:
         arrived.append((datetime.now(UTC), line.rstrip("\n")))
