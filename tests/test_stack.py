@@ -453,7 +453,15 @@ def test_jobs_logs_follow_and_wait_show_the_steps_as_they_come(stack_env, tmp_pa
     command = [sys.executable, "-m", "flowrl", "jobs", "logs", run_id, "--follow"]
     pipes = {"cwd": tmp_path, "env": env, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
     follower = subprocess.Popen(command, text=True, **pipes)
-    leaver = subprocess.Popen(command, text=True, **pipes)  # Ctrl-C'd at its first step line
+    # Ctrl-C'd at its first step line: as from a terminal, whatever this test's parent ignores
+    # (a shell's background job ignores SIGINT, and so, inherited, would the CLI).
+    as_from_a_terminal = (
+        "import runpy, signal; signal.signal(signal.SIGINT, signal.default_int_handler); "
+        "runpy.run_module('flowrl', run_name='__main__')"
+    )
+    leaver = subprocess.Popen(
+        [sys.executable, "-c", as_from_a_terminal, *command[3:]], text=True, **pipes
+    )
     arrived: list[tuple[datetime, str]] = []
 
     def read_until(process: subprocess.Popen, text: str, keep: list | None = None) -> None:
