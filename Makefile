@@ -79,7 +79,7 @@ lint: $(DEV_STAMP)
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 bench: $(DEV_STAMP) $(VLLM_STAMP)
-	$(BIN)/python benchmarks/step_time.py --out docs/benchmarks/step_time.md
+	$(BIN)/python benchmarks/field.py --out docs/benchmarks/field.md
 
 bench-trl: $(DEV_STAMP) $(VLLM_STAMP)
 	$(BIN)/python benchmarks/trl_compare.py --trl-threads 1 2 --flowrl-set resources.trainer_threads=2 --out docs/benchmarks.md

@@ -33,6 +33,7 @@ from footprint import TreePeak, watch  # same folder: the benchmark scripts shar
 from step_time import set_environment
 
 NEVER = "1000000"  # eval and checkpoint intervals that keep both out of the measured steps
+PICKED_TAGS = ("sampler_backend", "sampler_backend.why", "torch_threads", "torch_threads.why")
 SKIP = 2  # first steps left out of the steady state (worker processes start in them)
 
 
@@ -70,7 +71,27 @@ SIZES = {
         "every sample generates ~33 tokens; 16 prompts × 8 samples, ≤ 40 new tokens; RL lr "
         "1e-4; warm-up SFT lr 1e-3 to 15% (padding dilutes its loss)",
     ),
+    "huge": Size(
+        (
+            "model.tiny.hidden_size=768",
+            "model.tiny.num_layers=12",
+            "model.tiny.num_heads=12",
+            "model.tiny.intermediate_size=2560",
+            # No warm-up: SFT to any accuracy takes hours at this size on 2 cores. The reward
+            # is then 0 for every sample; both sides still run every sample through the loss.
+            "warmup.enabled=false",
+            "env.eval_size=20",
+            "rollout.prompts_per_step=4",
+            "rollout.max_new_tokens=24",
+            "algorithm.learning_rate=0.0001",
+        ),
+        6,
+        "Llama hidden 768 × 12 layers (12 heads), MLP 2560 (99.19M parameters), random "
+        "weights (no warm-up: reward 0, advantages 0, every sample still through the loss); "
+        "4 prompts × 8 samples, ≤ 24 new tokens; 20 held-out problems",
+    ),
 }
+DEFAULT_SIZES = ("tiny", "large")
 
 
 def job_config(size: str, overrides: list[str]) -> Any:
@@ -128,7 +149,11 @@ def flowrl_side(size: str, steps: int, ahead: int, extra: list[str]) -> dict[str
     # The first steps start Ray worker processes (a second one once two stages overlap): a
     # one-off cost, left out of the training time TRL is given.
     cold_s = max(0.0, sum(times["step"][:SKIP]) - SKIP * profile["step"])
+    tags = tracking.client().get_run(result.mlflow_run_id).data.tags
+    before_step = (imported - started) + (api_up - imported) + sum(start_up.values())
     return {
+        "picked": {k: tags.get(k, "") for k in PICKED_TAGS},
+        "first_step_s": before_step + times["step"][0],
         "steps": steps,
         "step_s": times["step"],
         "loop_s": sum(times["step"]),
@@ -350,6 +375,7 @@ def trl_side(
         "reward": [x["reward"] for x in logs],
         "accuracy_end": acc.accuracy,
         "one_off": {"imports, model load, trainer init": ready - started},
+        "first_step_s": ready - started + steps[0],
     }
 
 
@@ -662,13 +688,13 @@ flowrl's start-up is split by the task runs Prefect recorded for the flow run.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--sizes", nargs="+", default=list(DEFAULT_SIZES), choices=list(SIZES))
     parser.add_argument(
         "--steps",
         type=int,
         nargs="+",
         help="flowrl steps per size (default: "
-        + ", ".join(f"{k} {v.steps}" for k, v in SIZES.items())
+        + ", ".join(f"{k} {SIZES[k].steps}" for k in DEFAULT_SIZES)
         + ")",
     )
     parser.add_argument(

@@ -225,8 +225,8 @@ def _wait_for_tracking(say: Callable[[str], None], wait_s: float = TRACKING_WAIT
 
 def auto_sampler(resources: Any, folder: str) -> SamplerChoice:
     """``resources.sampler_backend: auto`` for the job's ``resources`` and its model's local
-    folder: its size (safetensors headers), whether it takes images, and whether vLLM's venv
-    is on this machine (``backends.policy.resources.pick_sampler`` decides)."""
+    folder: its size (safetensors headers), whether it takes images, whether its workers have
+    GPUs, and whether vLLM's venv is on this machine (``resources.pick_sampler`` decides)."""
     settings = get_settings()
     python = settings.resolved_vllm_python
     return pick_sampler(
@@ -237,7 +237,37 @@ def auto_sampler(resources: Any, folder: str) -> SamplerChoice:
         vllm_python=str(python),
         vllm_present=python.exists(),
         min_parameters=settings.vllm_auto_min_parameters,
+        gpus=resources.gpus > 0 or resources.gpus_per_worker > 0,
+        on_cpu=settings.vllm_auto_on_cpu,
     )
+
+
+def auto_resources(
+    config: JobConfig, model_uri: str, cache_dir: str
+) -> tuple[JobConfig, list[tuple[str, dict[str, str]]]]:
+    """``config`` with ``resources.sampler_backend`` then ``torch_threads`` (which depend on
+    the engine) auto decided for the model ``model_uri``, and per decision a log line and MLflow
+    tags (``sampler_backend``, ``torch_threads``, their ``.why``). Retrain's ``resources`` are
+    not its own field (its rl-train subflow picks): its config is left as it is."""
+    if "resources" not in type(config).model_fields:
+        return config, []
+    said = []
+    resources = config.resources
+    if resources.sampler_backend == "auto":
+        choice = auto_sampler(resources, resolve_model_uri(model_uri, cache_dir))
+        resources = resources.model_copy(update={"sampler_backend": choice.backend})
+        config = config.model_copy(update={"resources": resources})
+        line = f"sampler: {choice.backend} (resources.sampler_backend auto: {choice.why})"
+        said.append((line, {"sampler_backend": choice.backend, "sampler_backend.why": choice.why}))
+    if resources.torch_threads == "auto":
+        build = config.placement_for(shared_worker_settings()).build
+        threads = {"torch_threads": build.torch_threads, "trainer_threads": build.trainer_threads}
+        config = config.model_copy(update={"resources": resources.model_copy(update=threads)})
+        line = f"threads: {build.threads()} (resources.torch_threads auto: {build.threads_why})"
+        said.append(
+            (line, {"torch_threads": build.threads(), "torch_threads.why": build.threads_why})
+        )
+    return config, said
 
 
 class JobRun:
@@ -379,22 +409,15 @@ class JobRun:
         return self.config.placement_for(shared_worker_settings())
 
     def pick_sampler(self, model_uri: str) -> JobConfig:
-        """The job's config with ``resources.sampler_backend: auto`` decided for the model
-        ``model_uri`` (``auto_sampler``), said in the job's log and as the MLflow run's tags
-        ``sampler_backend`` and ``sampler_backend.why``; the config as it is when it names an
-        engine. The job's placements use the pick from then on (``start_policy`` picks for its
-        model if the flow has not): call it before a stage places workers of its own
-        (warm-up)."""
-        if "resources" not in type(self.config).model_fields:  # e.g. retrain's, its job's
-            return self.config  # (its rl-train subflow picks; its evaluations take hf)
-        resources = self.config.resources
-        if resources.sampler_backend != "auto":
-            return self.config
-        choice = auto_sampler(resources, resolve_model_uri(model_uri, self.ctx.cache_dir))
-        picked = resources.model_copy(update={"sampler_backend": choice.backend})
-        self.config = self.config.model_copy(update={"resources": picked})
-        self.say(f"sampler: {choice.backend} (resources.sampler_backend auto: {choice.why})")
-        self.set_tags({"sampler_backend": choice.backend, "sampler_backend.why": choice.why})
+        """The job's config with its ``resources``' autos decided for the model ``model_uri``
+        (``auto_resources``), each said in the job's log and as MLflow tags; the config as it
+        is where nothing is auto. The job's placements use the picks from then on
+        (``start_policy`` picks for its model if the flow has not): call it before a stage
+        places workers of its own (warm-up)."""
+        self.config, said = auto_resources(self.config, model_uri, self.ctx.cache_dir)
+        for line, tags in said:
+            self.say(line)
+            self.set_tags(tags)
         return self.config
 
     def start_model(self, model_uri: str) -> PolicyRef:

@@ -148,6 +148,14 @@ class Settings(BaseSettings):
         "Ray actor runs on it, so vLLM's pins never meet flowrl's. Unset = .venv-vllm/bin/python "
         "in flowrl's checkout. On a cluster: that venv's path on every node.",
     )
+    cpu_threads: int = Field(
+        default=0,
+        ge=0,
+        le=1024,
+        description="CPU cores a job's workers share, for resources.torch_threads auto: 0 = "
+        "every core this process may run on. Set it lower where several jobs or test workers "
+        "share one machine (the test suite sets 1).",
+    )
     vllm_auto_min_parameters: int = Field(
         default=1_000_000,
         ge=0,
@@ -155,6 +163,13 @@ class Settings(BaseSettings):
         "of at least this many parameters: on this project's 2-core CPU vLLM sampled 1.15x "
         "slower than HF at 0.34M parameters, 2.1x faster at 3.2M, and starts ~8 s later "
         "(docs/benchmarks/engines.md).",
+    )
+    vllm_auto_on_cpu: bool = Field(
+        default=False,
+        description="resources.sampler_backend auto picks vLLM by size for CPU workers too "
+        "(by default only for workers with GPUs: on this project's 2-core CPU, HF sampling in "
+        "the trainer's process matched vLLM's step time at 0.34M-99M parameters with half its "
+        "memory, docs/benchmarks/field.md).",
     )
     vllm_cpu_kv_cache_mb: int = Field(
         default=512,
@@ -179,6 +194,11 @@ class Settings(BaseSettings):
             return self.config_dir.expanduser().resolve()
         base = os.environ.get("XDG_CONFIG_HOME") or "~/.config"
         return (Path(base).expanduser() / "flowrl").resolve()
+
+    @property
+    def job_cores(self) -> int:
+        """``cpu_threads``, or (0) the cores this process may run on."""
+        return self.cpu_threads or len(os.sched_getaffinity(0))
 
     @property
     def resolved_vllm_python(self) -> Path:

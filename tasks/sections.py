@@ -426,9 +426,10 @@ class ResourcesSection(_Section, title="Resources"):
         default="auto",
         description="Sampler engine: hf (transformers' generate, in flowrl's venv), vllm "
         "(vLLM in a venv of its own, `make setup-vllm`; CPU or CUDA), or auto: picked when the "
-        "job starts, vllm where its venv is there and the model has at least "
-        "FLOWRL_VLLM_AUTO_MIN_PARAMETERS parameters (1M) and can run on it (no images, not "
-        "colocated, not a shared tenant), else hf; the job's log and its MLflow tags "
+        "job starts, vllm where its venv is there, the workers have GPUs (CPUs too with "
+        "FLOWRL_VLLM_AUTO_ON_CPU), the model has at least FLOWRL_VLLM_AUTO_MIN_PARAMETERS "
+        "parameters (1M) and can run on it (no images, not colocated, not a shared tenant), "
+        "else hf; the job's log and its MLflow tags "
         "sampler_backend / sampler_backend.why say which and why. The sampler of rollouts, "
         "evaluations and batch inference.",
     )
@@ -438,14 +439,22 @@ class ResourcesSection(_Section, title="Resources"):
     gpus_per_worker: float = Field(
         default=0, ge=0, description="GPUs each of the sampler and trainer actors asks Ray for."
     )
-    torch_threads: int = Field(default=1, ge=1, le=256, description="torch threads per worker.")
+    torch_threads: Annotated[int, Field(ge=1, le=256)] | Literal["auto"] = Field(
+        default="auto",
+        description="torch threads per worker, or auto: on a CPU, the cores its workers would "
+        "leave idle (FLOWRL_CPU_THREADS, unset = every core): a sampler and a trainer that take "
+        "turns (on-policy) each get them all; one that trains while its samplers sample ahead "
+        "keeps them all and each sampler half; GPU workers and shared workers' tenants 1. The "
+        "job's log says what auto gave.",
+    )
     trainer_threads: int | None = Field(
         default=None,
         ge=1,
         le=256,
         description="torch threads of the trainer, when it should have more than the samplers "
         "(e.g. all of a CPU machine's cores: one-step-off's trainer then takes the cores the "
-        "sampler leaves idle); unset = torch_threads. Ray still counts the trainer as 1 CPU.",
+        "sampler leaves idle); unset = torch_threads (auto: auto's trainer threads). Ray still "
+        "counts the trainer as 1 CPU.",
     )
     samplers: int = Field(
         default=1,

@@ -40,6 +40,11 @@ if os.environ.get("FLOWRL_TEST_KERNELS", "pinned") != "native":
     for _name, _value in PINNED_KERNELS_ENV.items():
         os.environ.setdefault(_name, _value)
 
+# Two xdist workers share this machine's cores, so each job's workers get one thread
+# (``resources.torch_threads: auto`` would otherwise give every job all of them): what an operator
+# sets where jobs share a machine. Tests of the auto rule set their own.
+os.environ.setdefault("FLOWRL_CPU_THREADS", "1")
+
 # One model cache for the whole run, as a machine has (like HF_HOME): every test's home, job
 # subprocess and xdist worker shares it, so each tiny model shape is built once per run, not
 # once per test home. Made by the first process to import this file (xdist's controller; its

@@ -240,8 +240,9 @@ def test_retrain_refuses_a_negative_min_improvement():
 
 def test_sampler_auto_is_the_default_and_its_rules_give_their_reason(model_dir, tmp_path):
     """``resources.sampler_backend`` defaults to auto, which a job decides when it starts
-    (``pick_sampler``): vLLM for a model of at least the settings' size where vLLM's venv is
-    and the job can run it; else HF, each time saying why. The size is read from the
+    (``pick_sampler``): vLLM for a model of at least the settings' size on GPU workers (CPU
+    workers with ``FLOWRL_VLLM_AUTO_ON_CPU``) where vLLM's venv is and the job can run it;
+    else HF, each time saying why. The size is read from the
     safetensors headers alone (the tiny model: 0.34M numbers); a file that is not
     safetensors gives no size, and HF."""
     from flowrl.backends.models.model_folder import weight_count
@@ -249,13 +250,14 @@ def test_sampler_auto_is_the_default_and_its_rules_give_their_reason(model_dir, 
 
     assert RLJobConfig().resources.sampler_backend == "auto"
     assert Settings().vllm_auto_min_parameters == 1_000_000
+    assert Settings().vllm_auto_on_cpu is False
     count = weight_count(model_dir)
     assert count is not None and 330_000 < count < 350_000, count
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "model.safetensors").write_bytes((10**12).to_bytes(8, "little") + b"{}")
     assert weight_count(str(bad)) is None and weight_count(str(tmp_path)) is None
-    job = dict(vision=False, colocate=None, placement="own", vllm_python="/v/bin/python")
+    job = dict(vision=False, colocate=None, placement="own", vllm_python="/v/bin/python", gpus=True)
     big = dict(parameters=3_200_000, min_parameters=1_000_000)
     cases = [
         ({**job, **big, "vllm_present": True}, "vllm", "3.20M parameters, at least"),
@@ -268,6 +270,8 @@ def test_sampler_auto_is_the_default_and_its_rules_give_their_reason(model_dir, 
         ({**job, **big, "vllm_present": True, "vision": True}, "hf", "takes no images"),
         ({**job, **big, "vllm_present": True, "colocate": True}, "hf", "colocate"),
         ({**job, **big, "vllm_present": True, "placement": "shared"}, "hf", "shared worker"),
+        ({**job, **big, "vllm_present": True, "gpus": False}, "hf", "CPU workers"),
+        ({**job, **big, "vllm_present": True, "gpus": False, "on_cpu": True}, "vllm", "at least"),
         (
             {**job, "parameters": None, "min_parameters": 0, "vllm_present": True},
             "hf",
@@ -280,3 +284,42 @@ def test_sampler_auto_is_the_default_and_its_rules_give_their_reason(model_dir, 
     shared = {"placement": "shared", "sampler_backend": "vllm"}
     with pytest.raises(ValueError, match="sampler_backend hf or auto"):
         RLJobConfig.model_validate({"model": {"lora": {"enabled": True}}, "resources": shared})
+
+
+def test_threads_auto_gives_a_policy_the_cores_it_would_leave_idle(monkeypatch):
+    """``resources.torch_threads`` defaults to auto: on a CPU machine a job's workers get the
+    cores (``FLOWRL_CPU_THREADS``) that one thread each would leave idle. Workers that take
+    turns get them all; a trainer that trains while its samplers sample ahead keeps them all,
+    the samplers half; GPU workers and a shared worker's tenants keep one. Numbers that the
+    config sets win, and each decision says why."""
+    assert RLJobConfig().resources.torch_threads == "auto"
+    monkeypatch.setenv("FLOWRL_CPU_THREADS", "4")
+
+    def build(*overrides: str):
+        return load_job(None, list(overrides)).placement_for().build
+
+    cases = [
+        ((), (4, 4), "one actor samples and trains in turn on 4 cores"),
+        (("resources.colocate=false",), (4, 4), "take turns on 4 cores"),
+        (("resources.colocate=false", "resources.samplers=2"), (2, 4), "take turns"),
+        (("schedule.off_policy_steps=1",), (2, 4), "sample ahead, on 4 cores"),
+        (("schedule.max_staleness=2", "resources.samplers=2"), (1, 4), "sample ahead"),
+        (("resources.gpus=1",), (1, 1), "GPU workers"),
+        (("resources.torch_threads=3",), (3, 3), ""),
+        (("resources.trainer_threads=2",), (4, 2), "in turn"),
+    ]
+    for overrides, (sampler, trainer), why in cases:
+        b = build(*overrides)
+        assert (b.torch_threads, b.trainer_threads or b.torch_threads) == (sampler, trainer), (
+            overrides,
+            b,
+        )
+        assert why in b.threads_why and (why != "") == bool(b.threads_why), (overrides, b)
+    monkeypatch.delenv("FLOWRL_CPU_THREADS")
+    import os
+
+    assert build().torch_threads == len(os.sched_getaffinity(0))
+    with pytest.raises(ConfigError, match="torch_threads"):
+        load_job(None, ["resources.torch_threads=0"])
+    with pytest.raises(ConfigError, match="torch_threads"):
+        load_job(None, ["resources.torch_threads=many"])

@@ -197,6 +197,8 @@ def test_a_registered_version_runs_batch_inference_and_evaluation_on_vllm(
 
     config, result = trained_on_vllm
     monkeypatch.setenv("FLOWRL_VLLM_AUTO_MIN_PARAMETERS", "100000")  # the tiny model: 0.34M
+    monkeypatch.setenv("FLOWRL_VLLM_AUTO_ON_CPU", "1")  # this machine's workers have no GPU
+    monkeypatch.setenv("FLOWRL_CPU_THREADS", "2")  # torch_threads auto: vLLM's OpenMP threads
     inference = batch_inference(
         InferenceJobConfig.model_validate(
             {
@@ -212,6 +214,8 @@ def test_a_registered_version_runs_batch_inference_and_evaluation_on_vllm(
     tags = client().get_run(inference.mlflow_run_id).data.tags
     assert tags["sampler_backend"] == "vllm", tags
     assert "0.34M parameters" in tags["sampler_backend.why"], tags
+    assert tags["torch_threads"] == "sampler 2, trainer 2", tags
+    assert "take turns on 2 cores" in tags["torch_threads.why"], tags
     evaluation = evaluate(
         load_job(
             None,

@@ -31,7 +31,7 @@ import secrets
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol
 
 from flowrl.backends.policy.resources import (
     SAMPLER_BACKENDS,
@@ -40,6 +40,7 @@ from flowrl.backends.policy.resources import (
     ActorResources,
     SharedWorkerSettings,
     pick_backend,
+    pick_threads,
     role_specs,
     shared_worker_name,
 )
@@ -67,6 +68,12 @@ class WorkerBuild:
     torch_threads: int | None = None
     dtype: Precision | None = None
     trainer_threads: int | None = None
+    threads_why: str = ""  # what resources.torch_threads auto went by, when it decided
+
+    def threads(self) -> str:
+        """The workers' torch threads, in words (the job's log)."""
+        trainer = self.trainer_threads or self.torch_threads
+        return f"sampler {self.torch_threads}, trainer {trainer}"
 
     def specs(self, spec: WorkerSpec) -> dict[str, WorkerSpec]:
         """The sampler's and the trainer's spec: ``spec`` with this build's threads and
@@ -421,7 +428,7 @@ def place(
     on_policy: bool = True,
     sampler_backend: str = "hf",
     trainer_backend: str = "torch",
-    torch_threads: int | None = None,
+    torch_threads: int | Literal["auto"] | None = None,
     dtype: Precision | None = None,
     trainer_threads: int | None = None,
     resources: ActorResources | None = None,
@@ -446,7 +453,7 @@ def place(
     - ``vllm-engines``: ``VLLMEngines``, the Tinker API's sampling on vLLM.
 
     ``resources`` sets what each worker asks Ray for directly (notebooks, tests), instead of
-    the share of ``gpus``."""
+    the share of ``gpus``. ``torch_threads`` auto: ``resources.pick_threads`` decides."""
     if kind not in PLACEMENTS:
         raise ValueError(f"unknown placement {kind!r}; known: {', '.join(PLACEMENTS)}")
     if sampler_backend == "auto":  # a job picks before it places (JobRun.pick_sampler)
@@ -456,6 +463,18 @@ def place(
         colocate = on_policy and samplers == 1 and backends == ("hf", "torch")
     workers = 1 if kind == "shared" or colocate else samplers + 1
     share = gpus_per_worker or (gpus or 0) / workers
+    threads_why = ""
+    if torch_threads == "auto":
+        picked = pick_threads(
+            cores=get_settings().job_cores,
+            gpus=share if resources is None else resources.num_gpus,
+            kind=kind,
+            colocate=bool(colocate),
+            on_policy=on_policy,
+            samplers=samplers,
+        )
+        torch_threads, threads_why = picked.sampler, picked.why
+        trainer_threads = trainer_threads or picked.trainer
     build = WorkerBuild(
         resources=resources or ActorResources(num_cpus=1, num_gpus=share),
         sampler_backend=sampler_backend,
@@ -463,6 +482,7 @@ def place(
         torch_threads=torch_threads,
         dtype=dtype,
         trainer_threads=trainer_threads,
+        threads_why=threads_why,
     )
     if kind == "own":
         return OwnWorkers(build, samplers=samplers, colocate=bool(colocate), gpus=gpus or 0)

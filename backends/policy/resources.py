@@ -103,17 +103,27 @@ def pick_sampler(
     vllm_python: str,
     vllm_present: bool,
     min_parameters: int,
+    gpus: bool = True,
+    on_cpu: bool = False,
 ) -> SamplerChoice:
-    """``resources.sampler_backend: auto``: vLLM where it can serve the job, its venv is there
-    (``vllm_present``: ``vllm_python`` exists) and the model has at least ``min_parameters``
-    parameters (below that, on a CPU, vLLM's start-up and per-call cost are not paid back:
-    docs/benchmarks/engines.md); else HF. The first rule that decides gives its reason."""
+    """``resources.sampler_backend: auto``: vLLM where it can serve the job, its workers have
+    GPUs (``gpus``; on CPU workers only with ``on_cpu``), its venv is there (``vllm_present``:
+    ``vllm_python`` exists) and the model has at least ``min_parameters`` parameters (below
+    that vLLM's start-up and per-call cost are not paid back: docs/benchmarks/engines.md);
+    else HF. The first rule that decides gives its reason."""
     if placement == "shared":
         return SamplerChoice("hf", "a shared worker's tenant samples on the worker's hf engine")
     if colocate:
         return SamplerChoice("hf", "resources.colocate: the vLLM engine needs a process of its own")
     if vision:
         return SamplerChoice("hf", "a vision-language model: the vLLM sampler takes no images")
+    if not gpus and not on_cpu:
+        return SamplerChoice(
+            "hf",
+            "CPU workers: there HF sampling in the trainer's process matched vLLM's step time "
+            "from 0.34M to 99M parameters with half its memory (docs/benchmarks/field.md); "
+            "FLOWRL_VLLM_AUTO_ON_CPU=1 picks vLLM by size on CPUs too",
+        )
     if parameters is None:
         return SamplerChoice("hf", "the model's size is unknown (no safetensors weights)")
     size = f"{parameters / 1e6:.2f}M parameters"
@@ -131,6 +141,43 @@ def pick_sampler(
         "vllm",
         f"{size}, at least FLOWRL_VLLM_AUTO_MIN_PARAMETERS ({min_parameters:,}), and "
         f"vLLM's venv at {vllm_python}",
+    )
+
+
+@dataclass(frozen=True)
+class ThreadChoice:
+    """The torch threads ``resources.torch_threads: auto`` gave a policy's workers, and why."""
+
+    sampler: int
+    trainer: int
+    why: str
+
+
+def pick_threads(
+    *, cores: int, gpus: float, kind: str, colocate: bool, on_policy: bool, samplers: int
+) -> ThreadChoice:
+    """``resources.torch_threads: auto`` for a policy of ``kind`` whose workers share
+    ``cores`` CPU cores (``FLOWRL_CPU_THREADS``; unset: every core this process may run on):
+    the cores its workers would otherwise leave idle. A sampler and a trainer that take turns
+    (on-policy, or one actor for both) each get them all; a trainer that trains while its
+    samplers sample (one-step-off, asynchronous) keeps all the cores and the samplers half, as
+    measured on 2 cores (idle OpenMP threads sleep: ``workers._threads_environment``). GPU
+    workers and workers that are not the job's own keep one thread."""
+    if gpus > 0:
+        return ThreadChoice(1, 1, "GPU workers: the GPU does the arithmetic")
+    if kind != "own":
+        return ThreadChoice(1, 1, f"{kind} placement: the workers are not the job's own")
+    each = max(1, cores // samplers)
+    if colocate:
+        return ThreadChoice(cores, cores, f"one actor samples and trains in turn on {cores} cores")
+    if on_policy:
+        return ThreadChoice(
+            each, cores, f"{samplers} sampler(s) and the trainer take turns on {cores} cores"
+        )
+    return ThreadChoice(
+        max(1, each // 2),
+        cores,
+        f"the trainer trains while {samplers} sampler(s) sample ahead, on {cores} cores",
     )
 
 
