@@ -632,7 +632,10 @@ def test_on_policy_distillation_brings_the_student_to_its_teacher(cookbook: Cook
     )
     kl = [m["teacher_kl"] for m in metrics(log) if "teacher_kl" in m]
     assert len(kl) == 16, kl
-    first, last = sum(kl[:3]) / 3, sum(kl[-3:]) / 3
+    # Each step's KL is an estimate from 16 samples of 4 prompts: a step whose prompts the
+    # student already answers as the teacher reads ~0 (a CI run began 0.42, 0.06, -0.00). So
+    # the first and last 6 steps' means, not 3's.
+    first, last = sum(kl[:6]) / 6, sum(kl[-6:]) / 6
     assert last < 0.6 * first, kl
 
 

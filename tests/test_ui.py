@@ -356,8 +356,25 @@ def _open_artifact(page, key: str) -> None:
     latest.first.click()
 
 
+def _step_logs_stored(ui_stack, ui_run: UIRun, timeout_s: float = 60.0) -> None:
+    """Wait until the API holds the run's last step line: a flow run's logs reach the API in
+    batches, the last after its state may already say COMPLETED, and the page of a finished
+    run reads them once."""
+    last = f"step {STEPS}/{STEPS}:"
+    body = {"logs": {"flow_run_id": {"any_": [ui_run.id]}}, "limit": 200}
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        logs = _post(f"{ui_stack.api_url}/logs/filter", body)
+        if any(log["message"].startswith(last) for log in logs):
+            return
+        time.sleep(1.0)
+    pytest.fail(f"the API holds no {last!r} log line of run {ui_run.id} after {timeout_s:.0f} s")
+
+
 def test_run_page_shows_step_lines_and_results_table(browser, ui_stack, ui_run, page):
     _completed(ui_run)
+    _step_logs_stored(ui_stack, ui_run)
+    page.set_viewport_size({"width": 1280, "height": 1600})  # every log line of the run in view
     page.goto(f"{ui_stack.prefect_ui.rstrip('/')}/v2/runs/flow-run/{ui_run.id}?tab=Logs")
     # Named after its job, as a CLI run is.
     wait_for(page, page.get_by_role("link", name="Runs", exact=True))
