@@ -609,10 +609,18 @@ def _taught(
 
 def test_on_policy_distillation_brings_the_student_to_its_teacher(cookbook: Cookbook) -> None:
     """``recipes/distillation/on_policy_distillation`` (deepmath's prompts; teacher and
-    student checkpoints on one base, taught to answer 4 and 7): the student's samples' KL to
-    the teacher (``teacher_kl``, the recipe's one signal) falls."""
+    student checkpoints on one base, taught to answer 4 and 7): the student comes to answer
+    as its teacher does. Its final checkpoint gives the teacher's ``\\boxed{4}`` far more
+    log-probability, and the ``\\boxed{7}`` it was also taught far less, than it did before."""
+    import tinker
+    from tinker import types
+
+    from flowrl.backends.models.chat import HFChatFormat
+
     teacher = _taught(cookbook, (4,)).save_weights_for_sampler("teacher").result().path
-    student = _taught(cookbook, (4, 7)).save_state("student").result().path
+    taught = _taught(cookbook, (4, 7))
+    student = taught.save_state("student").result().path
+    before_path = taught.save_weights_for_sampler("student-before").result().path
     log = cookbook.home / "distill"
     cookbook.run(
         "distillation.on_policy_distillation",
@@ -624,7 +632,9 @@ def test_on_policy_distillation_brings_the_student_to_its_teacher(cookbook: Cook
         "groups_per_batch=4",
         "group_size=4",
         "max_tokens=24",
-        "learning_rate=2e-3",
+        # 2e-3 drove a run's student to repeat </think> (the teacher's log-prob of 7 is ~-40:
+        # the first step's gradient norm was 2,400)
+        "learning_rate=1e-3",
         "lora_rank=8",
         "max_steps=16",
         "eval_every=0",
@@ -632,11 +642,31 @@ def test_on_policy_distillation_brings_the_student_to_its_teacher(cookbook: Cook
     )
     kl = [m["teacher_kl"] for m in metrics(log) if "teacher_kl" in m]
     assert len(kl) == 16, kl
-    # Each step's KL is an estimate from 16 samples of 4 prompts: a step whose prompts the
-    # student already answers as the teacher reads ~0 (a CI run began 0.42, 0.06, -0.00). So
-    # the first and last 6 steps' means, not 3's.
-    first, last = sum(kl[:6]) / 6, sum(kl[-6:]) / 6
-    assert last < 0.6 * first, kl
+    # teacher_kl, the recipe's signal, is an estimate from 16 samples a step: a student that
+    # answers 7 half the time reads ~0 or ~1 by the luck of the draw (runs began 0.42, 0.06
+    # and 0.32, 1.14, 1.20). What the student gives each answer is measured exactly.
+    final = json.loads((log / "checkpoints.jsonl").read_text().splitlines()[-1])
+    client = tinker.ServiceClient(base_url=cookbook.url, api_key=KEY)
+    chat = HFChatFormat.from_folder(cookbook.folder)
+
+    def logprob(path: str, answer: int) -> float:
+        """The sampler at ``path``'s log-prob of replying ``\\boxed{answer}``, mean over the
+        questions."""
+        sampler = client.create_sampling_client(model_path=path)
+        reply = chat.encode_reply(f"<think>\n\n</think>\n\n\\boxed{{{answer}}}")
+        total = 0.0
+        for question in FOURS:
+            prompt = chat.encode_prompt([{"role": "user", "content": question}])
+            scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + reply))
+            total += sum(scored.result()[len(prompt) :])
+        return total / len(FOURS)
+
+    before = {k: logprob(before_path, k) for k in (4, 7)}
+    after = {k: logprob(final["sampler_path"], k) for k in (4, 7)}
+    print(json.dumps({"kl": kl, "before": before, "after": after}))  # shown with -s
+    assert before[7] > -2.5, before  # taught: 7 about as often as 4
+    assert after[7] < before[7] - 2.0, (before, after)
+    assert after[4] > before[4], (before, after)
 
 
 def test_sdft_teaches_the_student_what_its_teacher_answers(cookbook: Cookbook) -> None:
