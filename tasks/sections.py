@@ -466,7 +466,8 @@ class ResourcesSection(_Section, title="Resources"):
     colocate: bool | None = Field(
         default=None,
         description="The sampler and the trainer in one actor process (a hybrid engine: one "
-        "set of imports and one CUDA context; a weight sync is a copy inside the process). "
+        "set of imports and one CUDA context; the hf sampler samples the trainer's own "
+        "weights where they are in its precision: one copy, and a weight sync copies nothing). "
         "Unset = where the job never samples while it trains: on-policy, one sampler, the hf "
         "and torch backends.",
     )

@@ -7,7 +7,10 @@ adapter, temperature and seed.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,6 +65,28 @@ class HFSampler:
         self.image_inputs = ImageInputs.for_model(self.model_path)  # None: text only
         self.stop_token_ids = HFChatFormat.from_folder(self.model_path).stop_token_ids
         self.weights_version = 0
+        self.follows: Any = None  # the trainer whose own model this samples (``following``)
+
+    @classmethod
+    def following(cls, spec: WorkerSpec, trainer: Any) -> HFSampler | None:
+        """A sampler of ``trainer``'s own model, in ``trainer``'s process (a colocated policy's
+        hybrid engine): one copy of the weights, not two, and a weight sync that copies
+        nothing, so it samples whatever the trainer's weights are now, and says their version.
+        Where ``trainer`` is a ``TorchTrainer`` of ``spec``'s model, adapter and device, whose
+        float32 master weights are what this sampler would compute in; else None (e.g. a
+        bfloat16 sampler on CUDA keeps a bfloat16 copy of its own)."""
+        from flowrl.backends.engines.torch_trainer import TorchTrainer
+
+        if type(trainer) is not TorchTrainer or not _same_weights(spec, trainer.spec):
+            return None  # e.g. DeepSpeed's: its engine holds the weights its own way
+        model, device = trainer.model, worker_device(spec)
+        if device != trainer.device or compute_dtype(spec.dtype, device) != _dtype(model):
+            return None
+        training = model.training
+        sampler = cls(spec, (model, trainer.tokenizer, trainer.model_path), trainer.adapter)
+        model.train(training)  # the trainer's mode; sampling switches to eval while it runs
+        sampler.follows = trainer
+        return sampler
 
     @torch.no_grad()
     def sample(
@@ -84,23 +109,24 @@ class HFSampler:
         ids, attention = _left_padded(prompts, pad, self.device)
         width = ids.shape[1]
         greedy = temperature <= 0
-        shared = {} if vision else _shared_prompt_cache(self.model, ids, attention)
-        out = self.model.generate(
-            input_ids=ids,
-            attention_mask=attention,
-            **vision,
-            **shared,
-            suppress_tokens=unsampled or None,
-            max_new_tokens=max_new_tokens,
-            do_sample=not greedy,
-            temperature=None if greedy else temperature,
-            top_k=None,
-            top_p=None,
-            eos_token_id=self.stop_token_ids,
-            pad_token_id=pad,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
+        with _evaluating(self.model):
+            shared = {} if vision else _shared_prompt_cache(self.model, ids, attention)
+            out = self.model.generate(
+                input_ids=ids,
+                attention_mask=attention,
+                **vision,
+                **shared,
+                suppress_tokens=unsampled or None,
+                max_new_tokens=max_new_tokens,
+                do_sample=not greedy,
+                temperature=None if greedy else temperature,
+                top_k=None,
+                top_p=None,
+                eos_token_id=self.stop_token_ids,
+                pad_token_id=pad,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
         new_B_T = out.sequences[:, width:].cpu()
         logits_B_T_V = without_tokens(torch.stack(out.logits, dim=1).float().cpu(), unsampled)
         scale = 1.0 if greedy else temperature
@@ -126,7 +152,7 @@ class HFSampler:
         pad = pad_id(self.tokenizer)
         ids, attention = _left_padded(prompts, pad, self.device)
         width = ids.shape[1]
-        with _RowAdapters(self.model) as route:
+        with _evaluating(self.model), _RowAdapters(self.model) as route:
             shared = _shared_prompt_cache(self.model, ids, attention, adapters, route)
             route.route(adapters)
             out = self.model.generate(
@@ -157,12 +183,21 @@ class HFSampler:
     def set_weights(self, weights: tuple[dict[str, torch.Tensor], int]) -> int:
         """Weight sync: load ``TorchTrainer.get_weights()`` (adapter only for LoRA)."""
         state, version = weights
+        if self.follows is not None:  # weights of its own from now on, as a separate sampler's
+            self.model, self.follows = copy.deepcopy(self.model).eval(), None
         state = {k: v.to(self.device) for k, v in state.items()}
         load_trainable_state(self.model, state, self.spec.lora.enabled, self.adapter)
         self.weights_version = version
         return version
 
     def get_weights_version(self) -> int:
+        if self.follows is not None:
+            return self.follows.get_weights_version()
+        return self.weights_version
+
+    def catch_up(self) -> int:
+        """A weight sync of a sampler ``following`` its trainer: nothing to copy; the version."""
+        self.weights_version = self.get_weights_version()
         return self.weights_version
 
     def load_lora_export(self, model_uri: str) -> int:
@@ -171,6 +206,27 @@ class HFSampler:
         folder = Path(resolve_model_uri(model_uri, self.spec.cache_dir)) / LORA_EXPORT
         state = load_safetensors((folder / "adapter.safetensors").read_bytes())
         return self.set_weights((state, 0))
+
+
+def _same_weights(a: WorkerSpec, b: WorkerSpec) -> bool:
+    """Whether workers of ``a`` and ``b`` load the same weights (model, adapter, its seed)."""
+    keys = ("model_uri", "cache_dir", "lora", "seed", "device")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def _dtype(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+@contextlib.contextmanager
+def _evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (no dropout) while sampling; its mode as it was after."""
+    training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(training)
 
 
 def _left_padded(

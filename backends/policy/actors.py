@@ -143,9 +143,10 @@ class PolicyRef:
     sync reaches them all.
 
     Each kind owns its workers: ``SplitPolicy`` (samplers and a trainer, each a Ray actor),
-    ``ColocatedPolicy`` (one actor is the only sampler and the trainer; a sync is a copy inside
-    its process), ``SharedPolicy`` (adapters on a shared worker) and ``LocalPolicy`` (in this
-    process, without Ray). A placement (``backends.policy.placement``) starts one; nothing else
+    ``ColocatedPolicy`` (one actor is the only sampler and the trainer; the sampler samples the
+    trainer's own weights where it can, else a sync is a copy inside its process),
+    ``SharedPolicy`` (adapters on a shared worker) and ``LocalPolicy`` (in this process,
+    without Ray). A placement (``backends.policy.placement``) starts one; nothing else
     branches on where the workers are."""
 
     samplers: tuple[str, ...]
@@ -287,7 +288,9 @@ class SplitPolicy(PolicyRef):
 @dataclass(frozen=True)
 class ColocatedPolicy(PolicyRef):
     """One actor (``ColocatedWorker``, ``<name>-policy``) is the sampler and the trainer,
-    asking the cluster for the policy's resources once; a sync is a copy inside it."""
+    asking the cluster for the policy's resources once. Its sampler samples the trainer's own
+    model where it can (``workers._both_roles``): one copy of the weights, a sync that copies
+    nothing; else a sync is a copy inside it."""
 
     colocated = True
 

@@ -120,20 +120,25 @@ class TrainerWorker(_Worker):
 class ColocatedWorker:
     """A policy's sampler and trainer in one actor process (``resources.colocate``), as a
     hybrid engine: an on-policy job never samples while it trains, so one process (one set of
-    imports, one CUDA context) serves both, and a weight sync is a copy inside it. Each role
-    runs its own number of torch threads."""
+    imports, one CUDA context) serves both. Where it can, the sampler samples the trainer's own
+    model (``_both_roles``): one copy of the weights, and a weight sync that copies nothing;
+    else a sync is a copy inside the process. Each role runs its own number of torch
+    threads."""
 
     def __init__(self, backends: dict[str, str], specs: dict[str, WorkerSpec]):
         self._backends = backends
         self._specs = specs
-        self._impls = {role: backend_class(backends[role])(specs[role]) for role in ROLES}
+        self._impls = _both_roles(backends, specs)
 
     def call_as(self, role: str, verb: str, *args: Any, **kwargs: Any) -> Any:
         self._threads(role)
         return getattr(self._impls[role], verb)(*args, **kwargs)
 
     def sync(self) -> int:
-        """The trainer's weights into the sampler; the synced weights version."""
+        """The trainer's weights into the sampler; the synced weights version. A sampler of the
+        trainer's own model (``following``) has them already: nothing is copied."""
+        if getattr(self._impls["sampler"], "follows", None) is self._impls["trainer"]:
+            return self.call_as("sampler", "catch_up")
         weights = self.call_as("trainer", "get_weights")
         return self.call_as("sampler", "set_weights", weights)
 
@@ -150,8 +155,9 @@ class ColocatedWorker:
         if not all(getattr(c, "restartable", False) for c in classes.values()):
             return False
         self._specs = specs
-        for role in ROLES:
-            rebuild(self._impls, role, classes[role], specs[role])
+        self._impls.clear()  # the old roles' memory freed first
+        gc.collect()
+        self._impls = _both_roles(self._backends, specs)
         return True
 
     def where(self) -> tuple[str, int]:
@@ -164,6 +170,17 @@ class ColocatedWorker:
 
 
 ROLES = ("sampler", "trainer")
+
+
+def _both_roles(backends: dict[str, str], specs: dict[str, WorkerSpec]) -> dict[str, Any]:
+    """A colocated policy's backends: the trainer, then a sampler of the trainer's own model
+    where the sampler's class can be one (``HFSampler.following``: one copy of the weights in
+    the process, and a sync that copies nothing, as a hybrid engine's); else one of its own."""
+    trainer = backend_class(backends["trainer"])(specs["trainer"])
+    sampler_class = backend_class(backends["sampler"])
+    following = getattr(sampler_class, "following", None)
+    sampler = following(specs["sampler"], trainer) if following else None
+    return {"sampler": sampler or sampler_class(specs["sampler"]), "trainer": trainer}
 
 
 class _Role:
