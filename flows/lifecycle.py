@@ -35,7 +35,7 @@ from flowrl.environments.timeouts import abandoning_calls
 from flowrl.flows.engines import InfrastructureError, connect_ray, infrastructure_fault
 from flowrl.flows.run_page import Column, Phase, RunPage
 from flowrl.flows.run_records import RunRecords
-from flowrl.infra import tracking
+from flowrl.infra import heap, tracking
 from flowrl.infra.redact import redact, redact_text
 from flowrl.infra.scheduler import gpu_slots, load_scheduler
 from flowrl.infra.settings import get_settings
@@ -263,10 +263,9 @@ def auto_resources(
         build = config.placement_for(shared_worker_settings()).build
         threads = {"torch_threads": build.torch_threads, "trainer_threads": build.trainer_threads}
         config = config.model_copy(update={"resources": resources.model_copy(update=threads)})
-        line = f"threads: {build.threads()} (resources.torch_threads auto: {build.threads_why})"
-        said.append(
-            (line, {"torch_threads": build.threads(), "torch_threads.why": build.threads_why})
-        )
+        why = build.threads_why
+        line = f"threads: {build.threads()} (resources.torch_threads auto: {why})"
+        said.append((line, {"torch_threads": build.threads(), "torch_threads.why": why}))
     return config, said
 
 
@@ -502,7 +501,8 @@ class JobRun:
         progress bar and a Prefect progress artifact (``advance`` moves both)."""
         self.page.start_steps(start, total)
         self.done_steps = start
-        yield from range(start, total, stride)
+        with heap.frozen_heap():  # no long pauses of the garbage collector in the steps
+            yield from range(start, total, stride)
 
     def advance(self, done_steps: int, **postfix: float) -> None:
         """``done_steps`` steps are done (call it after the step's evaluation, if any): the

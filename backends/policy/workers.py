@@ -25,6 +25,7 @@ from flowrl.backends.policy.resources import (
     shared_worker_name,
 )
 from flowrl.backends.types import Tenancy, WorkerSpec
+from flowrl.infra.heap import freeze_heap
 from flowrl.infra.settings import RAY_NAMESPACE, get_settings, worker_environment
 
 if TYPE_CHECKING:  # annotations only: the job's process need not import the agent loop here
@@ -86,6 +87,7 @@ class _Worker:
     def __init__(self, backend: str, spec: WorkerSpec):
         self._backend = backend
         self._impl = backend_class(backend)(spec)
+        freeze_heap()
 
     def call(self, verb: str, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._impl, verb)(*args, **kwargs)
@@ -98,7 +100,13 @@ class _Worker:
         """Build the backend again from ``spec`` in this process, as a new worker would (its
         imports stay: a policy's next job needs no new process). False, leaving the worker as
         it is, for a backend that cannot be built twice in one process (``restartable``)."""
-        return rebuild(vars(self), "_impl", backend_class(self._backend), spec)
+        cls = backend_class(self._backend)
+        if not getattr(cls, "restartable", False):
+            return False
+        gc.unfreeze()  # the old backend's cycles collectable again (infra.heap)
+        rebuild(vars(self), "_impl", cls, spec)
+        freeze_heap()
+        return True
 
     def where(self) -> tuple[str, int]:
         """(Ray node id, process id) of this worker."""
@@ -129,6 +137,7 @@ class ColocatedWorker:
         self._backends = backends
         self._specs = specs
         self._impls = _both_roles(backends, specs)
+        freeze_heap()
 
     def call_as(self, role: str, verb: str, *args: Any, **kwargs: Any) -> Any:
         self._threads(role)
@@ -156,8 +165,10 @@ class ColocatedWorker:
             return False
         self._specs = specs
         self._impls.clear()  # the old roles' memory freed first
+        gc.unfreeze()
         gc.collect()
         self._impls = _both_roles(self._backends, specs)
+        freeze_heap()
         return True
 
     def where(self) -> tuple[str, int]:
