@@ -94,9 +94,9 @@ def shape_of(size: str, completion: float) -> Shape:
     )
 
 
-def linear_rate(shape: Shape, rows: int, repeats: int = 5) -> float:
-    """FLOP/s of one forward pass of the model's linear layers over ``rows`` tokens (median of
-    ``repeats`` timings)."""
+def linear_rate(shape: Shape, rows: int, repeats: int = 15) -> float:
+    """FLOP/s of one forward pass of the model's linear layers over ``rows`` tokens: the best of
+    ``repeats`` timings (the floor is the least time this machine takes)."""
     import torch
     import torch.nn.functional as F
 
@@ -114,7 +114,7 @@ def linear_rate(shape: Shape, rows: int, repeats: int = 5) -> float:
             for a, w in weights:
                 F.linear(a, w)
             times.append(time.perf_counter() - began)
-    return flops / statistics.median(times)
+    return flops / min(times)
 
 
 def measure(field: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -164,12 +164,13 @@ def report(rows: dict[str, dict[str, Any]], field_path: Path) -> str:
             f"{r['work'] / trl / 1e9:.0f} / {r['least_work'] / ours / 1e9:.0f} | "
             f"{r['decode_rate'] / 1e9:.0f} / {r['train_rate'] / 1e9:.0f} |"
         )
+        left = trl / 2 - r["train_s"]
         said.append(
-            f"- {names.get(size, size)}: flowrl's training takes {r['train_s']:.2f} s, "
-            f"{r['train_floor_s'] / r['train_s']:.0%} of it the floor's; its rollout "
-            f"{r['rollout_s']:.2f} s, {r['rollout_floor_s'] / r['rollout_s']:.0%} of it the "
-            f"floor's. 2× TRL-2t leaves {trl / 2 - r['train_s']:.2f} s for everything but "
-            "training as it runs now."
+            f"- {names.get(size, size)}: flowrl's training takes {r['train_s']:.2f} s (its floor: "
+            f"{r['train_floor_s'] / r['train_s']:.0%} of that), its rollout {r['rollout_s']:.2f} s "
+            f"(floor: {r['rollout_floor_s'] / r['rollout_s']:.0%}). The step of 2× TRL-2t, "
+            f"{trl / 2:.2f} s, is {abs(left):.2f} s {'more' if left >= 0 else 'less'} than "
+            "flowrl's training alone takes now."
         )
     shapes = "\n".join(
         f"- {names.get(s, s)}: hidden {r['shape']['hidden']} × {r['shape']['layers']} layers, "
@@ -191,7 +192,8 @@ def report(rows: dict[str, dict[str, Any]], field_path: Path) -> str:
   forward) while training. The least: a group's shared prompt once (flowrl's trainer and
   sampler share it: docs/benchmarks/trainer_speed.md). Attention scores, softmax, sampling and
   AdamW are left out, so the floor is below any real step.
-- rates: `torch.nn.functional.linear` timed in the step's shapes on this machine: a decode
+- rates: `torch.nn.functional.linear` timed in the step's shapes on this machine, the best of
+  15 passes: a decode
   step (one token of every row: as many rows as samples), a training pass (every token of the
   batch); the backward pass taken at the forward's rate
 - floor: the least work at those rates. 2× TRL-2t's samples/s needs a step of half TRL's: a
