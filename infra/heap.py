@@ -32,3 +32,14 @@ def frozen_heap() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+@contextlib.contextmanager
+def refrozen() -> Iterator[None]:
+    """Around replacing what a process froze (a worker's restart): unfrozen, so the old
+    objects' cycles are collected once dropped, and ``freeze_heap`` again after."""
+    gc.unfreeze()
+    try:
+        yield
+    finally:
+        freeze_heap()

@@ -197,8 +197,7 @@ class HFSampler:
 
     def catch_up(self) -> int:
         """A weight sync of a sampler ``following`` its trainer: nothing to copy; the version."""
-        self.weights_version = self.get_weights_version()
-        return self.weights_version
+        return self.get_weights_version()
 
     def load_lora_export(self, model_uri: str) -> int:
         """The adapter of the exported LoRA policy at ``model_uri`` (its ``LORA_EXPORT``) as

@@ -25,7 +25,7 @@ from flowrl.backends.policy.resources import (
     shared_worker_name,
 )
 from flowrl.backends.types import Tenancy, WorkerSpec
-from flowrl.infra.heap import freeze_heap
+from flowrl.infra.heap import freeze_heap, refrozen
 from flowrl.infra.settings import RAY_NAMESPACE, get_settings, worker_environment
 
 if TYPE_CHECKING:  # annotations only: the job's process need not import the agent loop here
@@ -100,13 +100,8 @@ class _Worker:
         """Build the backend again from ``spec`` in this process, as a new worker would (its
         imports stay: a policy's next job needs no new process). False, leaving the worker as
         it is, for a backend that cannot be built twice in one process (``restartable``)."""
-        cls = backend_class(self._backend)
-        if not getattr(cls, "restartable", False):
-            return False
-        gc.unfreeze()  # the old backend's cycles collectable again (infra.heap)
-        rebuild(vars(self), "_impl", cls, spec)
-        freeze_heap()
-        return True
+        with refrozen():
+            return rebuild(vars(self), "_impl", backend_class(self._backend), spec)
 
     def where(self) -> tuple[str, int]:
         """(Ray node id, process id) of this worker."""
@@ -164,11 +159,10 @@ class ColocatedWorker:
         if not all(getattr(c, "restartable", False) for c in classes.values()):
             return False
         self._specs = specs
-        self._impls.clear()  # the old roles' memory freed first
-        gc.unfreeze()
-        gc.collect()
-        self._impls = _both_roles(self._backends, specs)
-        freeze_heap()
+        with refrozen():
+            self._impls.clear()  # the old roles' memory freed first
+            gc.collect()
+            self._impls = _both_roles(self._backends, specs)
         return True
 
     def where(self) -> tuple[str, int]:
