@@ -91,15 +91,15 @@ def samples_per_s(size: str, run: dict[str, Any]) -> float:
 
 def field_table(sizes: dict[str, dict[str, dict[str, Any]]]) -> str:
     rows = [
-        "| size | side | sampler, threads (sampler/trainer) | s/step | samples/s | tokens/sample "
-        "| ÷ TRL-2t samples/s | peak PSS, MB | ÷ TRL-2t PSS | first step done, s |",
+        "| size | side | sampler, dtype, threads (sampler/trainer) | s/step | samples/s "
+        "| tokens/sample | ÷ TRL-2t samples/s | peak PSS, MB | ÷ TRL-2t PSS | first step done, s |",
         "|---|---|---|--:|--:|--:|--:|--:|--:|--:|",
     ]
     for size, runs in sizes.items():
         trl = runs[f"trl-{TRL_THREADS}t"]
         for side, r in runs.items():
             picked = r.get("picked")
-            how = "torch, 2 threads" if picked is None else _picked(picked)
+            how = f"torch, {r.get('dtype', '?')}, 2 threads" if picked is None else _picked(picked)
             rows.append(
                 f"| {SIZE_NAMES[size]} | {side} | {how} | {r['profile']['step']:.2f} | "
                 f"{samples_per_s(size, r):.1f} | {r['tokens_per_sample']:.1f} | "
@@ -112,7 +112,7 @@ def field_table(sizes: dict[str, dict[str, dict[str, Any]]]) -> str:
 
 def _picked(picked: dict[str, str]) -> str:
     threads = picked["torch_threads"].replace("sampler ", "").replace(", trainer ", "/")
-    return f"{picked['sampler_backend']}, {threads or '?'}"
+    return f"{picked['sampler_backend']}, {picked.get('dtype') or '?'}, {threads or '?'}"
 
 
 def split_lines(sizes: dict[str, dict[str, dict[str, Any]]]) -> str:
@@ -155,7 +155,8 @@ def why_lines(sizes: dict[str, dict[str, dict[str, Any]]]) -> str:
         seen[size] = (
             f"- {SIZE_NAMES[size]}: sampler {picked['sampler_backend']} "
             f"({picked['sampler_backend.why']}); threads {picked['torch_threads']} "
-            f"({picked['torch_threads.why']})"
+            f"({picked['torch_threads.why']}); dtype {picked.get('dtype')} "
+            f"({picked.get('dtype.why')})"
         )
     return "\n".join(seen.values()) + "\n"
 
@@ -207,10 +208,12 @@ def report(
 - sizes (the arithmetic environment, `benchmarks/trl_compare.py`'s jobs):
 {about}
 - sides: `flowrl defaults` is the size's job with nothing added: on-policy,
-  `resources.sampler_backend: auto`, `resources.torch_threads: auto`; `flowrl hf|vllm` the same
+  `resources.sampler_backend: auto`, `resources.torch_threads: auto`, `resources.dtype: auto`
+  (bf16 autocast on a CPU with bf16 dot products, else float32); `flowrl hf|vllm` the same
   job on the engine auto did not pick; `flowrl one-step-off` the defaults plus
   `schedule.off_policy_steps=1`; `trl-{TRL_THREADS}t` TRL's `GRPOTrainer` with {TRL_THREADS}
-  torch threads (both cores, `use_vllm=False`), from the same warm model, the same prompts in the
+  torch threads (both cores, `use_vllm=False`) in the precision the defaults picked (`bf16=True`,
+  TRL's own default, where they picked bf16), from the same warm model, the same prompts in the
   same order, the same loss (PPO-clip, token-mean, no KL) and AdamW, trained for the defaults'
   training wall time. flowrl steps: {steps}; s/step: mean after the first
   {trl_compare.SKIP} steps (TRL: between its step callbacks, after as many).

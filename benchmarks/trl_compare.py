@@ -33,7 +33,10 @@ from footprint import TreePeak, watch  # same folder: the benchmark scripts shar
 from step_time import set_environment
 
 NEVER = "1000000"  # eval and checkpoint intervals that keep both out of the measured steps
-PICKED_TAGS = ("sampler_backend", "sampler_backend.why", "torch_threads", "torch_threads.why")
+PICKED_TAGS = (
+    *("sampler_backend", "sampler_backend.why", "torch_threads", "torch_threads.why"),
+    *("dtype", "dtype.why"),
+)
 SKIP = 2  # first steps left out of the steady state (worker processes start in them)
 
 
@@ -237,6 +240,7 @@ def trl_side(
 
     from flowrl.backends.models.model_folder import load_causal_lm, load_tokenizer
     from flowrl.backends.models.model_uri import resolve_model_uri
+    from flowrl.backends.models.precision import compute_dtype
     from flowrl.backends.policy.actors import start_policy, stop_policy
     from flowrl.backends.types import WorkerSpec
     from flowrl.infra.settings import get_settings
@@ -302,7 +306,9 @@ def trl_side(
         num_iterations=1,
         max_steps=400,
         use_cpu=True,
-        bf16=False,
+        # The precision flowrl's job computes in (resources.dtype; auto picks bf16 on a CPU
+        # with bf16 dot products): the same on both sides. TRL's own default is bf16 autocast.
+        bf16=compute_dtype(config.resources.dtype, torch.device("cpu")) == torch.bfloat16,
         use_vllm=False,
         report_to="none",
         save_strategy="no",
@@ -363,6 +369,7 @@ def trl_side(
     steps = budget.step_s
     logs = [x for x in budget.logs if "reward" in x]
     return {
+        "dtype": "bfloat16" if args.bf16 else "float32",
         "steps": len(steps),
         "step_s": steps,
         "loop_s": sum(steps),

@@ -18,20 +18,18 @@ from typing import Any
 import ray
 from prefect.logging import get_run_logger
 from prefect.runtime import deployment, flow_run
-from prefect.settings import PREFECT_API_URL
 from prefect.task_runners import ThreadPoolTaskRunner
 
 from flowrl.backends.models.lora_export import lora_export
-from flowrl.backends.models.model_folder import is_vision_language, weight_count
 from flowrl.backends.models.model_uri import resolve_model_uri
 from flowrl.backends.policy import live
 from flowrl.backends.policy.actors import PolicyRef, sampler, stop_policy, worker_nodes
 from flowrl.backends.policy.placement import Placement
-from flowrl.backends.policy.resources import SamplerChoice, SharedWorkerSettings, pick_sampler
 from flowrl.backends.policy.workers import admission_limit
 from flowrl.backends.types import LoraSettings, WorkerSpec
 from flowrl.environments.remote import stop_env_pool
 from flowrl.environments.timeouts import abandoning_calls
+from flowrl.flows.auto import auto_resources, shared_worker_settings
 from flowrl.flows.engines import InfrastructureError, connect_ray, infrastructure_fault
 from flowrl.flows.run_page import Column, Phase, RunPage
 from flowrl.flows.run_records import RunRecords
@@ -193,14 +191,6 @@ def task_runner() -> RayStageRunner:
     return RayStageRunner()
 
 
-def shared_worker_settings() -> SharedWorkerSettings:
-    """How this run's policies find or start a shared base-model worker: the settings' idle
-    timeout, residency and batch mixing, and the Prefect API this process talks to (where the
-    worker holds its GPU slots). The job's placement sets those slots
-    (``ResourcesSection.placement_for``)."""
-    return SharedWorkerSettings.from_settings(prefect_api_url=PREFECT_API_URL.value() or None)
-
-
 def _wait_for_tracking(say: Callable[[str], None], wait_s: float = TRACKING_WAIT_S) -> None:
     """Wait until the tracking server answers, saying so at once and then each minute; raise
     ``InfrastructureError`` after ``wait_s`` (MLflow's client would retry each call for
@@ -221,52 +211,6 @@ def _wait_for_tracking(say: Callable[[str], None], wait_s: float = TRACKING_WAIT
             say(f"waiting for the tracking server at {uri}: {now - began:.0f} s so far")
         time.sleep(2.0)
     say(f"the tracking server answers after {time.monotonic() - began:.0f} s")
-
-
-def auto_sampler(resources: Any, folder: str) -> SamplerChoice:
-    """``resources.sampler_backend: auto`` for the job's ``resources`` and its model's local
-    folder: its size (safetensors headers), whether it takes images, whether its workers have
-    GPUs, and whether vLLM's venv is on this machine (``resources.pick_sampler`` decides)."""
-    settings = get_settings()
-    python = settings.resolved_vllm_python
-    return pick_sampler(
-        parameters=weight_count(folder),
-        vision=is_vision_language(folder),
-        colocate=resources.colocate,
-        placement=resources.placement,
-        vllm_python=str(python),
-        vllm_present=python.exists(),
-        min_parameters=settings.vllm_auto_min_parameters,
-        gpus=resources.gpus > 0 or resources.gpus_per_worker > 0,
-        on_cpu=settings.vllm_auto_on_cpu,
-    )
-
-
-def auto_resources(
-    config: JobConfig, model_uri: str, cache_dir: str
-) -> tuple[JobConfig, list[tuple[str, dict[str, str]]]]:
-    """``config`` with ``resources.sampler_backend`` then ``torch_threads`` (which depend on
-    the engine) auto decided for the model ``model_uri``, and per decision a log line and MLflow
-    tags (``sampler_backend``, ``torch_threads``, their ``.why``). Retrain's ``resources`` are
-    not its own field (its rl-train subflow picks): its config is left as it is."""
-    if "resources" not in type(config).model_fields:
-        return config, []
-    said = []
-    resources = config.resources
-    if resources.sampler_backend == "auto":
-        choice = auto_sampler(resources, resolve_model_uri(model_uri, cache_dir))
-        resources = resources.model_copy(update={"sampler_backend": choice.backend})
-        config = config.model_copy(update={"resources": resources})
-        line = f"sampler: {choice.backend} (resources.sampler_backend auto: {choice.why})"
-        said.append((line, {"sampler_backend": choice.backend, "sampler_backend.why": choice.why}))
-    if resources.torch_threads == "auto":
-        build = config.placement_for(shared_worker_settings()).build
-        threads = {"torch_threads": build.torch_threads, "trainer_threads": build.trainer_threads}
-        config = config.model_copy(update={"resources": resources.model_copy(update=threads)})
-        why = build.threads_why
-        line = f"threads: {build.threads()} (resources.torch_threads auto: {why})"
-        said.append((line, {"torch_threads": build.threads(), "torch_threads.why": why}))
-    return config, said
 
 
 class JobRun:

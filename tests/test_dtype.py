@@ -11,6 +11,7 @@ along the way; on the tiny model their log-probs differed by at most 4e-3 when m
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from flowrl.agent_loop.types import SampleResult
 from flowrl.backends.engines.algorithms import mismatch_kl
 from flowrl.backends.engines.hf_sampler import HFSampler
 from flowrl.backends.engines.torch_trainer import TorchTrainer
-from flowrl.backends.models.precision import compute_dtype
+from flowrl.backends.models.precision import compute_dtype, cpu_bf16
 from flowrl.backends.policy import actors
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec
 from flowrl.tasks.schemas import RLJobConfig
@@ -67,10 +68,28 @@ def test_mismatch_kl_matches_hand_computed_values():
     assert float(mismatch_kl(sampler_B_T, sampler_B_T, mask_B_T)) == 0.0
 
 
-def test_auto_is_bf16_on_cuda_and_fp32_on_cpu():
+def test_auto_is_bf16_on_cuda_and_on_cpus_with_bf16_dot_products():
+    """auto is bf16 on CUDA, and on a CPU whose kernels in force have bf16 dot products
+    (AVX512-BF16, AMX); float32 on any other CPU and where the kernels are capped below them
+    (as this suite pins them), so a CPU job's precision never depends on an emulated bf16."""
     assert compute_dtype("auto", torch.device("cuda")) == torch.bfloat16
-    assert compute_dtype("auto", torch.device("cpu")) == torch.float32
     assert compute_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
+    flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if "flags" in line]
+    has_dots = any(f in flags[0].split() for f in ("avx512_bf16", "amx_bf16"))
+    probe = "from flowrl.backends.models.precision import cpu_bf16; print(*cpu_bf16(), sep='|')"
+
+    def decided(**env: str) -> list[str]:
+        pins = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR")
+        clean = {k: v for k, v in os.environ.items() if k not in pins} | env
+        out = subprocess.run([sys.executable, "-c", probe], env=clean, capture_output=True)
+        return out.stdout.decode().strip().split("|")
+
+    capped = decided(ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
+    assert capped[0] == "False" and capped[1].endswith(": float32"), capped
+    own = decided()
+    assert own[0] == str(has_dots) and own[1], own
+    expected = torch.bfloat16 if cpu_bf16()[0] else torch.float32
+    assert compute_dtype("auto", torch.device("cpu")) == expected
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
