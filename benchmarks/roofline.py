@@ -94,16 +94,21 @@ def shape_of(size: str, completion: float) -> Shape:
     )
 
 
-def linear_rate(shape: Shape, rows: int, repeats: int = 15) -> float:
-    """FLOP/s of one forward pass of the model's linear layers over ``rows`` tokens: the best of
-    ``repeats`` timings (the floor is the least time this machine takes)."""
+def linear_rate(shape: Shape, rows: int, dtype: str = "float32", repeats: int = 15) -> float:
+    """FLOP/s of one forward pass of the model's linear layers over ``rows`` tokens in
+    ``dtype`` (the job's compute dtype): the best of ``repeats`` timings (the floor is the least
+    time this machine takes)."""
     import torch
     import torch.nn.functional as F
 
     h, i = shape.hidden, shape.intermediate
-    x, y = torch.randn(rows, h), torch.randn(rows, i)
-    weights = [(x, torch.randn(h, h))] * 4 + [(x, torch.randn(i, h))] * 2
-    weights += [(y, torch.randn(h, i)), (x, torch.randn(shape.vocab, h))]
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size).to(getattr(torch, dtype))
+
+    x, y = randn(rows, h), randn(rows, i)
+    weights = [(x, randn(h, h))] * 4 + [(x, randn(i, h))] * 2
+    weights += [(y, randn(h, i)), (x, randn(shape.vocab, h))]
     flops = 2 * rows * sum(w.numel() for _, w in weights)
     with torch.no_grad():
         for a, w in weights:  # warm the kernels
@@ -125,13 +130,15 @@ def measure(field: dict[str, Any]) -> dict[str, dict[str, Any]]:
     out = {}
     for size, sides in field.items():
         shape = shape_of(size, sides["flowrl defaults"]["tokens_per_sample"])
-        decode_rate = linear_rate(shape, shape.rows)
+        dtype = sides["flowrl defaults"].get("picked", {}).get("dtype") or "float32"
+        decode_rate = linear_rate(shape, shape.rows, dtype)
         train_rows = round(shape.rows * (shape.prompt + shape.completion))
-        train_rate = linear_rate(shape, train_rows)
+        train_rate = linear_rate(shape, train_rows, dtype)
         prefill, decode, train = shape.work(least=True)
         flowrl = sides["flowrl defaults"]["profile"]
         out[size] = {
             "shape": shape.__dict__,
+            "dtype": dtype,
             "work": sum(shape.work(least=False)),
             "least_work": prefill + decode + train,
             "decode_rate": decode_rate,
@@ -179,12 +186,14 @@ def report(rows: dict[str, dict[str, Any]], field_path: Path) -> str:
         f"{r['shape']['prompt']:.1f} prompt + {r['shape']['completion']:.1f} sampled tokens"
         for s, r in rows.items()
     )
+    dtypes = ", ".join(f"{names.get(s, s)} {r['dtype']}" for s, r in rows.items())
     cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
     cpu = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if ln.startswith("model name")), "?")
     return f"""# The floor of a GRPO step on this machine
 
 - date: {datetime.now(UTC):%Y-%m-%d %H:%M} UTC; `{shlex.join(["python", *sys.argv])}`
-- machine: {len(os.sched_getaffinity(0))} CPUs, {cpu}, float32, as many torch threads
+- machine: {len(os.sched_getaffinity(0))} CPUs, {cpu}, as many torch threads; the linear
+  layers timed in the precision the defaults computed in: {dtypes}
 - steps: the s/step of `{field_path.name}`'s run of `benchmarks/field.py` (the sides
   `trl-2t` and `flowrl defaults`, steady state)
 - work: the linear layers' multiply-adds (2 FLOPs each) of one step. TRL's: every row's prompt
@@ -197,7 +206,7 @@ def report(rows: dict[str, dict[str, Any]], field_path: Path) -> str:
   step (one token of every row: as many rows as samples), a training pass (every token of the
   batch); the backward pass taken at the forward's rate
 - floor: the least work at those rates. 2× TRL-2t's samples/s needs a step of half TRL's: a
-  floor ÷ 2× above 1 means no code on this machine gets there in float32; below 1, it is the
+  floor ÷ 2× above 1 means no code on this machine gets there in that precision; below 1, it is the
   share of the linear layers' own rate the whole step would have to run at.
 - rollout and training: flowrl's split of the same run (`time/rollout_s`, the update's
   forward, backward and AdamW), each against its part of the floor

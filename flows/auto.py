@@ -8,9 +8,9 @@ from typing import Any
 
 from prefect.settings import PREFECT_API_URL
 
+from flowrl.backends.models.cpu_kernels import cpu_bf16
 from flowrl.backends.models.model_folder import is_vision_language, weight_count
 from flowrl.backends.models.model_uri import resolve_model_uri
-from flowrl.backends.models.precision import cpu_bf16
 from flowrl.backends.policy.resources import SamplerChoice, SharedWorkerSettings, pick_sampler
 from flowrl.infra.settings import get_settings
 from flowrl.tasks.schemas import JobConfig

@@ -25,7 +25,8 @@ from flowrl.agent_loop.types import SampleResult
 from flowrl.backends.engines.algorithms import mismatch_kl
 from flowrl.backends.engines.hf_sampler import HFSampler
 from flowrl.backends.engines.torch_trainer import TorchTrainer
-from flowrl.backends.models.precision import compute_dtype, cpu_bf16
+from flowrl.backends.models.cpu_kernels import cpu_bf16
+from flowrl.backends.models.precision import compute_dtype
 from flowrl.backends.policy import actors
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec
 from flowrl.tasks.schemas import RLJobConfig
@@ -76,7 +77,7 @@ def test_auto_is_bf16_on_cuda_and_on_cpus_with_bf16_dot_products():
     assert compute_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if "flags" in line]
     has_dots = any(f in flags[0].split() for f in ("avx512_bf16", "amx_bf16"))
-    probe = "from flowrl.backends.models.precision import cpu_bf16; print(*cpu_bf16(), sep='|')"
+    probe = "from flowrl.backends.models.cpu_kernels import cpu_bf16; print(*cpu_bf16(), sep='|')"
 
     def decided(**env: str) -> list[str]:
         pins = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR")

@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from flowrl.backends.models.precision import cpu_bf16
+from flowrl.backends.models.cpu_kernels import cpu_bf16
 from flowrl.backends.policy.actors import sampler, start_policy, stop_policy, sync_weights, trainer
 from flowrl.backends.policy.resources import SAMPLER_BACKENDS
 from flowrl.backends.policy.workers import backend_runtime_env

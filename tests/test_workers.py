@@ -387,10 +387,9 @@ def test_a_colocated_sampler_holds_no_copy_of_the_trainers_weights(model_dir, pr
     """A colocated policy's sampler is the trainer's own model, not a copy: at 99M parameters
     that is 0.4 GB less, and a sync that copies nothing (docs/benchmarks/field.md). It samples
     without the adapter's dropout while the trainer trains with it; weights set from elsewhere
-    (an exported version) make it a copy of its own, leaving the trainer's as they were. In
-    bf16 on CPU a full-parameter trainer's sampler samples its float32 weights under the
-    trainer's own autocast, scoring its tokens as the trainer does; a LoRA adapter's sampler in
-    bf16 keeps a bf16 copy of its own (the frozen base's casts would not be cached)."""
+    (an exported version) make it a copy of its own, leaving the trainer's as they were. A
+    sampler in bf16 keeps a bf16 copy of its own, LoRA or not (the trainer's weights are
+    float32 masters)."""
     from flowrl.backends.engines.hf_sampler import HFSampler
     from flowrl.backends.engines.torch_trainer import TorchTrainer
 
@@ -422,21 +421,7 @@ def test_a_colocated_sampler_holds_no_copy_of_the_trainers_weights(model_dir, pr
     assert HFSampler.following(other, trainer) is None
 
     full = bf16.model_copy(update={"lora": LoraSettings()})
-    trainer = TorchTrainer(full)
-    follower = HFSampler.following(full, trainer)
-    assert follower is not None and follower.model is trainer.model
-    assert next(trainer.model.parameters()).dtype == torch.float32  # the masters, not a copy
-    results = follower.sample(prompts, MAX_NEW_TOKENS, 1.0, seed=0)
-
-    def completions(scorer: TorchTrainer) -> torch.Tensor:
-        rows = scorer.compute_logprobs(as_data(prompts, results))
-        return torch.tensor([x for p, r in zip(prompts, rows, strict=True) for x in r[len(p) :]])
-
-    sampled = torch.tensor([lp for x in results for lp in x.logprobs])
-    drift = (sampled - completions(trainer)).abs().max()
-    rounding = sampled - completions(TorchTrainer(full.model_copy(update={"dtype": "float32"})))
-    # Scored as the bf16 trainer scores them, to bf16's precision; not float32's numbers.
-    assert float(drift) < 0.01 and float(rounding.abs().max()) > 1e-4
+    assert HFSampler.following(full, TorchTrainer(full)) is None
 
 
 def test_a_colocated_policy_plays_in_process_episodes_in_its_own_process(

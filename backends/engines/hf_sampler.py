@@ -38,7 +38,7 @@ from flowrl.backends.models.model_folder import (
     pad_id,
 )
 from flowrl.backends.models.model_uri import resolve_model_uri
-from flowrl.backends.models.precision import compute_dtype, forward_autocast
+from flowrl.backends.models.precision import compute_dtype
 from flowrl.backends.models.vlm import ImageInputs, vision_inputs
 from flowrl.backends.types import WorkerSpec
 
@@ -73,18 +73,15 @@ class HFSampler:
         hybrid engine): one copy of the weights, not two, and a weight sync that copies
         nothing, so it samples whatever the trainer's weights are now, and says their version.
         Where ``trainer`` is a ``TorchTrainer`` of ``spec``'s model, adapter and device, whose
-        float32 master weights are what this sampler would compute in, or, with bf16 on CPU
-        and every weight trained, which it samples under the trainer's own bf16 autocast (its
-        casts cached for a whole ``generate``); else None (a bfloat16 sampler on CUDA or of a
-        LoRA adapter keeps a bfloat16 copy of its own)."""
+        float32 master weights are what this sampler would compute in; else None (a bfloat16
+        sampler keeps a bfloat16 copy of its own: sampling float32 masters under autocast was
+        slower and took more memory, docs/benchmarks/field.md)."""
         from flowrl.backends.engines.torch_trainer import TorchTrainer
 
         if type(trainer) is not TorchTrainer or not _same_weights(spec, trainer.spec):
             return None  # e.g. DeepSpeed's: its engine holds the weights its own way
         model, device = trainer.model, worker_device(spec)
-        cast = compute_dtype(spec.dtype, device) != _dtype(model)
-        trained = all(p.requires_grad for p in model.parameters())
-        if device != trainer.device or (cast and not (device.type == "cpu" and trained)):
+        if device != trainer.device or compute_dtype(spec.dtype, device) != _dtype(model):
             return None
         training = model.training
         sampler = cls(spec, (model, trainer.tokenizer, trainer.model_path), trainer.adapter)
@@ -113,7 +110,7 @@ class HFSampler:
         ids, attention = _left_padded(prompts, pad, self.device)
         width = ids.shape[1]
         greedy = temperature <= 0
-        with _evaluating(self.model, self.dtype):
+        with _evaluating(self.model):
             shared = {} if vision else _shared_prompt_cache(self.model, ids, attention)
             out = self.model.generate(
                 input_ids=ids,
@@ -156,7 +153,7 @@ class HFSampler:
         pad = pad_id(self.tokenizer)
         ids, attention = _left_padded(prompts, pad, self.device)
         width = ids.shape[1]
-        with _evaluating(self.model, self.dtype), _RowAdapters(self.model) as route:
+        with _evaluating(self.model), _RowAdapters(self.model) as route:
             shared = _shared_prompt_cache(self.model, ids, attention, adapters, route)
             route.route(adapters)
             out = self.model.generate(
@@ -222,18 +219,12 @@ def _dtype(model: torch.nn.Module) -> torch.dtype:
 
 
 @contextlib.contextmanager
-def _evaluating(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[None]:
-    """``model`` in eval mode (no dropout) while sampling, computing in ``dtype`` (autocast
-    where its weights are float32 masters: a ``following`` sampler's); its mode as it was
-    after."""
+def _evaluating(model: torch.nn.Module) -> Iterator[None]:
+    """``model`` in eval mode (no dropout) while sampling; its mode as it was after."""
     training = model.training
-    weight = next(model.parameters())
     model.eval()
     try:
-        with forward_autocast(
-            dtype if weight.dtype == torch.float32 else weight.dtype, weight.device
-        ):
-            yield
+        yield
     finally:
         model.train(training)
 

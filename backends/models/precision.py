@@ -11,9 +11,7 @@
   them to nearest, the same rounding autocast applies in the trainer's forward.
 
 The two sides still differ in bf16 (the sampler keeps its residual stream in bf16, the
-trainer's stays float32): ``train/mismatch_kl`` (``algorithms.mismatch_kl``) shows how much. A
-colocated policy's sampler on CPU samples the trainer's own float32 model under the same
-autocast (``HFSampler.following``), so there the two compute alike.
+trainer's stays float32): ``train/mismatch_kl`` (``algorithms.mismatch_kl``) shows how much.
 
 ``auto`` is bfloat16 on CUDA, and on a CPU whose kernels have bf16 dot products (AVX512-BF16 or
 AMX, and neither ``ATEN_CPU_CAPABILITY`` nor ``ONEDNN_MAX_CPU_ISA`` capping them): there a bf16
@@ -24,39 +22,11 @@ matrix multiply runs 2-3x a float32 one (``docs/benchmarks/field.md``), as TRL's
 from __future__ import annotations
 
 import contextlib
-import functools
-import os
-from pathlib import Path
 
 import torch
 
+from flowrl.backends.models.cpu_kernels import cpu_bf16
 from flowrl.backends.types import Precision
-
-_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-_BF16_ISAS = ("ALL", "BF16", "AMX", "AVX10")  # ONEDNN_MAX_CPU_ISA values that keep bf16 dots
-
-
-@functools.cache
-def cpu_bf16() -> tuple[bool, str]:
-    """Whether this process's CPU kernels have bf16 dot products, and why (or why not)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False, "no /proc/cpuinfo to read the CPU's flags from: float32"
-    flags = next(
-        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
-        [],
-    )
-    found = [f for f in _BF16_FLAGS if f in flags]
-    if not found:
-        return False, "the CPU has no bf16 dot products (AVX512-BF16, AMX): float32"
-    capability = torch.backends.cpu.get_cpu_capability()
-    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-    if capability != "AVX512" and not capability.startswith("AMX"):
-        return False, f"ATen's kernels are capped at {capability}: float32"
-    if not any(k in isa for k in _BF16_ISAS):
-        return False, f"oneDNN is capped at ONEDNN_MAX_CPU_ISA={isa}: float32"
-    return True, f"the CPU has {'/'.join(found)}: bf16 matmuls run 2-3x float32's"
 
 
 def compute_dtype(precision: Precision, device: torch.device) -> torch.dtype:
