@@ -387,9 +387,10 @@ def test_a_colocated_sampler_holds_no_copy_of_the_trainers_weights(model_dir, pr
     """A colocated policy's sampler is the trainer's own model, not a copy: at 99M parameters
     that is 0.4 GB less, and a sync that copies nothing (docs/benchmarks/field.md). It samples
     without the adapter's dropout while the trainer trains with it; weights set from elsewhere
-    (an exported version) make it a copy of its own, leaving the trainer's as they were. A
-    sampler in bf16 keeps a bf16 copy of its own, LoRA or not (the trainer's weights are
-    float32 masters)."""
+    (an exported version) make it a copy of its own, leaving the trainer's as they were. In
+    bf16 it is a bf16 cast of the trainer's weights (a LoRA adapter float32, as PEFT keeps it),
+    synced by casting the trained weights across: it samples as a bf16 sampler loaded from
+    disk and synced from the trainer's state does."""
     from flowrl.backends.engines.hf_sampler import HFSampler
     from flowrl.backends.engines.torch_trainer import TorchTrainer
 
@@ -416,12 +417,26 @@ def test_a_colocated_sampler_holds_no_copy_of_the_trainers_weights(model_dir, pr
     assert all(torch.equal(before[k], after[k]) for k in before)
 
     bf16 = spec.model_copy(update={"dtype": "bfloat16"})
-    assert HFSampler.following(bf16, trainer) is None
     other = spec.model_copy(update={"seed": 1})  # another adapter init: other weights
     assert HFSampler.following(other, trainer) is None
 
-    full = bf16.model_copy(update={"lora": LoraSettings()})
-    assert HFSampler.following(full, TorchTrainer(full)) is None
+    for settings in (LoraSettings(), LORA):  # in bf16: a cast of the trainer's weights
+        cast = bf16.model_copy(update={"lora": settings})
+        trainer = TorchTrainer(cast)
+        follower, loaded = HFSampler.following(cast, trainer), HFSampler(cast)
+        assert follower.model is not trainer.model
+        assert {p.dtype for p in follower.model.parameters()} == {
+            p.dtype for p in loaded.model.parameters()
+        }
+        results = follower.sample(prompts, MAX_NEW_TOKENS, 0.0)
+        trainer.forward_backward(as_data(prompts, results, advantage=1.0), "ppo_clip")
+        trainer.optim_step()
+        assert follower.get_weights_version() == 0 and follower.catch_up() == 1
+        assert loaded.set_weights(trainer.get_weights()) == 1
+        got = [s.sample(prompts, MAX_NEW_TOKENS, 1.0, seed=3) for s in (follower, loaded)]
+        assert [x.tokens for x in got[0]] == [x.tokens for x in got[1]]
+        pairs = zip(*([lp for x in g for lp in x.logprobs] for g in got), strict=True)
+        assert max(abs(a - b) for a, b in pairs) < 0.02  # bf16 rounding of the same weights
 
 
 def test_a_colocated_policy_plays_in_process_episodes_in_its_own_process(

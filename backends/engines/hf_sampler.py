@@ -69,23 +69,35 @@ class HFSampler:
 
     @classmethod
     def following(cls, spec: WorkerSpec, trainer: Any) -> HFSampler | None:
-        """A sampler of ``trainer``'s own model, in ``trainer``'s process (a colocated policy's
-        hybrid engine): one copy of the weights, not two, and a weight sync that copies
-        nothing, so it samples whatever the trainer's weights are now, and says their version.
-        Where ``trainer`` is a ``TorchTrainer`` of ``spec``'s model, adapter and device, whose
-        float32 master weights are what this sampler would compute in; else None (a bfloat16
-        sampler keeps a bfloat16 copy of its own: sampling float32 masters under autocast was
-        slower and took more memory, docs/benchmarks/field.md)."""
+        """A sampler of ``trainer``'s weights, in ``trainer``'s process (a colocated policy's
+        hybrid engine), with no model loaded of its own. Where ``trainer`` is a
+        ``TorchTrainer`` of ``spec``'s model, adapter and device: in the trainer's float32 its
+        own model (one copy of the weights, a sync that copies nothing: it samples whatever
+        the trainer's weights are now, and says their version); in bfloat16 a bf16 cast of it
+        (a LoRA adapter stays float32, as PEFT keeps it), whose sync (``catch_up``) casts the
+        trained weights across in place. Sampling the float32 masters under autocast instead
+        was slower and took more memory (docs/benchmarks/field.md). Else None."""
         from flowrl.backends.engines.torch_trainer import TorchTrainer
 
         if type(trainer) is not TorchTrainer or not _same_weights(spec, trainer.spec):
             return None  # e.g. DeepSpeed's: its engine holds the weights its own way
         model, device = trainer.model, worker_device(spec)
-        if device != trainer.device or compute_dtype(spec.dtype, device) != _dtype(model):
+        dtype = compute_dtype(spec.dtype, device)
+        if device != trainer.device:
             return None
         training = model.training
+        if dtype != _dtype(model):  # each weight cast as it is copied (a trained adapter kept)
+            kept = spec.lora.enabled
+            memo: dict[int, Any] = {
+                id(p): torch.nn.Parameter(
+                    p.detach().clone() if kept and p.requires_grad else p.detach().to(dtype),
+                    requires_grad=False,
+                )
+                for p in model.parameters()
+            }
+            model = copy.deepcopy(model, memo)
         sampler = cls(spec, (model, trainer.tokenizer, trainer.model_path), trainer.adapter)
-        model.train(training)  # the trainer's mode; sampling switches to eval while it runs
+        trainer.model.train(training)  # its mode; sampling switches to eval while it runs
         sampler.follows = trainer
         return sampler
 
@@ -184,21 +196,35 @@ class HFSampler:
     def set_weights(self, weights: tuple[dict[str, torch.Tensor], int]) -> int:
         """Weight sync: load ``TorchTrainer.get_weights()`` (adapter only for LoRA)."""
         state, version = weights
-        if self.follows is not None:  # weights of its own from now on, as a separate sampler's
-            self.model, self.follows = copy.deepcopy(self.model).eval(), None
+        if self._shares_model():  # weights of its own from now on, as a separate sampler's
+            self.model = copy.deepcopy(self.model).eval()
+        self.follows = None
         state = {k: v.to(self.device) for k, v in state.items()}
         load_trainable_state(self.model, state, self.spec.lora.enabled, self.adapter)
         self.weights_version = version
         return version
 
     def get_weights_version(self) -> int:
-        if self.follows is not None:
+        if self._shares_model():
             return self.follows.get_weights_version()
         return self.weights_version
 
     def catch_up(self) -> int:
-        """A weight sync of a sampler ``following`` its trainer: nothing to copy; the version."""
-        return self.get_weights_version()
+        """A weight sync of a sampler ``following`` its trainer: nothing to copy where it
+        samples the trainer's own model; else the trained weights cast into its own, in place
+        (no state dict in between). The synced version."""
+        if self._shares_model():
+            return self.get_weights_version()
+        own = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, p in self.follows.model.named_parameters():
+                if p.requires_grad:
+                    own[name].copy_(p)
+        self.weights_version = self.follows.get_weights_version()
+        return self.weights_version
+
+    def _shares_model(self) -> bool:
+        return self.follows is not None and self.follows.model is self.model
 
     def load_lora_export(self, model_uri: str) -> int:
         """The adapter of the exported LoRA policy at ``model_uri`` (its ``LORA_EXPORT``) as
