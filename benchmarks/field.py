@@ -209,7 +209,8 @@ def report(
 {about}
 - sides: `flowrl defaults` is the size's job with nothing added: on-policy,
   `resources.sampler_backend: auto`, `resources.torch_threads: auto`, `resources.dtype: auto`
-  (bf16 autocast on a CPU with bf16 dot products, else float32); `flowrl hf|vllm` the same
+  (bf16 autocast from 50M parameters on a CPU with bf16 dot products, else float32);
+  `flowrl hf|vllm` the same
   job on the engine auto did not pick; `flowrl one-step-off` the defaults plus
   `schedule.off_policy_steps=1`; `trl-{TRL_THREADS}t` TRL's `GRPOTrainer` with {TRL_THREADS}
   torch threads (both cores, `use_vllm=False`) in the precision the defaults picked (`bf16=True`,

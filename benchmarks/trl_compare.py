@@ -238,9 +238,9 @@ def trl_side(
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from flowrl.backends.models.model_folder import load_causal_lm, load_tokenizer
+    from flowrl.backends.models.cpu_kernels import cpu_bf16, pick_cpu_dtype
+    from flowrl.backends.models.model_folder import load_causal_lm, load_tokenizer, weight_count
     from flowrl.backends.models.model_uri import resolve_model_uri
-    from flowrl.backends.models.precision import compute_dtype
     from flowrl.backends.policy.actors import start_policy, stop_policy
     from flowrl.backends.types import WorkerSpec
     from flowrl.infra.settings import get_settings
@@ -253,6 +253,12 @@ def trl_side(
     cache = get_settings().model_cache_dir
     path = resolve_model_uri(warm_model, cache)
     task, r, alg = config.env.task(), config.rollout, config.algorithm
+    # The precision flowrl's job computes in (resources.dtype; a CPU job's auto picks bf16 for
+    # a large model on a CPU with bf16 dot products): the same on both sides. TRL's own
+    # default is bf16 autocast.
+    dtype = config.resources.dtype
+    if dtype == "auto":
+        dtype = pick_cpu_dtype(weight_count(path), cpu_bf16())[0]
     # The flow's data stream in the flow's order: problem(0), problem(1), ...
     rows = [task.problem(i) for i in range(r.prompts_per_step * 400)]
     dataset = Dataset.from_list(
@@ -306,9 +312,7 @@ def trl_side(
         num_iterations=1,
         max_steps=400,
         use_cpu=True,
-        # The precision flowrl's job computes in (resources.dtype; auto picks bf16 on a CPU
-        # with bf16 dot products): the same on both sides. TRL's own default is bf16 autocast.
-        bf16=compute_dtype(config.resources.dtype, torch.device("cpu")) == torch.bfloat16,
+        bf16=dtype == "bfloat16",
         use_vllm=False,
         report_to="none",
         save_strategy="no",
@@ -369,7 +373,7 @@ def trl_side(
     steps = budget.step_s
     logs = [x for x in budget.logs if "reward" in x]
     return {
-        "dtype": "bfloat16" if args.bf16 else "float32",
+        "dtype": dtype,
         "steps": len(steps),
         "step_s": steps,
         "loop_s": sum(steps),

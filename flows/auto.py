@@ -8,7 +8,7 @@ from typing import Any
 
 from prefect.settings import PREFECT_API_URL
 
-from flowrl.backends.models.cpu_kernels import cpu_bf16
+from flowrl.backends.models.cpu_kernels import cpu_bf16, pick_cpu_dtype
 from flowrl.backends.models.model_folder import is_vision_language, weight_count
 from flowrl.backends.models.model_uri import resolve_model_uri
 from flowrl.backends.policy.resources import SamplerChoice, SharedWorkerSettings, pick_sampler
@@ -47,9 +47,9 @@ def auto_resources(
     config: JobConfig, model_uri: str, cache_dir: str
 ) -> tuple[JobConfig, list[tuple[str, dict[str, str]]]]:
     """``config`` with ``resources.sampler_backend`` then ``torch_threads`` (which depend on
-    the engine) auto decided for the model ``model_uri``, and a CPU job's ``dtype``
-    (``backends.models.precision``: this machine's kernels, so that every worker computes
-    alike), and per decision a log line and MLflow tags (``sampler_backend``,
+    the engine) auto decided for the model ``model_uri``, and a CPU job's ``dtype`` (by
+    this machine's kernels and the model's size, ``cpu_kernels.pick_cpu_dtype``, so that every
+    worker computes alike), and per decision a log line and MLflow tags (``sampler_backend``,
     ``torch_threads``, ``dtype``, their ``.why``). Retrain's ``resources`` are
     not its own field (its rl-train subflow picks): its config is left as it is."""
     if "resources" not in type(config).model_fields:
@@ -70,8 +70,8 @@ def auto_resources(
         line = f"threads: {build.threads()} (resources.torch_threads auto: {why})"
         said.append((line, {"torch_threads": build.threads(), "torch_threads.why": why}))
     if resources.dtype == "auto" and resources.gpus == 0 and resources.gpus_per_worker == 0:
-        bf16, why = cpu_bf16()
-        dtype = "bfloat16" if bf16 else "float32"
+        parameters = weight_count(resolve_model_uri(model_uri, cache_dir))
+        dtype, why = pick_cpu_dtype(parameters, cpu_bf16())
         resources = config.resources.model_copy(update={"dtype": dtype})
         config = config.model_copy(update={"resources": resources})
         said.append(

@@ -25,7 +25,7 @@ from flowrl.agent_loop.types import SampleResult
 from flowrl.backends.engines.algorithms import mismatch_kl
 from flowrl.backends.engines.hf_sampler import HFSampler
 from flowrl.backends.engines.torch_trainer import TorchTrainer
-from flowrl.backends.models.cpu_kernels import cpu_bf16
+from flowrl.backends.models.cpu_kernels import pick_cpu_dtype
 from flowrl.backends.models.precision import compute_dtype
 from flowrl.backends.policy import actors
 from flowrl.backends.types import Datum, LoraSettings, WorkerSpec
@@ -69,11 +69,14 @@ def test_mismatch_kl_matches_hand_computed_values():
     assert float(mismatch_kl(sampler_B_T, sampler_B_T, mask_B_T)) == 0.0
 
 
-def test_auto_is_bf16_on_cuda_and_on_cpus_with_bf16_dot_products():
-    """auto is bf16 on CUDA, and on a CPU whose kernels in force have bf16 dot products
-    (AVX512-BF16, AMX); float32 on any other CPU and where the kernels are capped below them
-    (as this suite pins them), so a CPU job's precision never depends on an emulated bf16."""
+def test_auto_is_bf16_on_cuda_and_on_cpus_with_bf16_dot_products_for_large_models():
+    """A worker's auto is bf16 on CUDA, float32 on a CPU; a CPU job's auto (decided in its
+    flow) is bf16 for a model of 50M parameters or more where the CPU's kernels in force have
+    bf16 dot products (AVX512-BF16, AMX), and float32 where the kernels are capped below them
+    (as this suite pins them), on other CPUs, and for smaller models, so a job's precision
+    never depends on an emulated bf16."""
     assert compute_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert compute_dtype("auto", torch.device("cpu")) == torch.float32
     assert compute_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16
     flags = [line for line in Path("/proc/cpuinfo").read_text().splitlines() if "flags" in line]
     has_dots = any(f in flags[0].split() for f in ("avx512_bf16", "amx_bf16"))
@@ -89,8 +92,16 @@ def test_auto_is_bf16_on_cuda_and_on_cpus_with_bf16_dot_products():
     assert capped[0] == "False" and capped[1].endswith(": float32"), capped
     own = decided()
     assert own[0] == str(has_dots) and own[1], own
-    expected = torch.bfloat16 if cpu_bf16()[0] else torch.float32
-    assert compute_dtype("auto", torch.device("cpu")) == expected
+
+    fast = (True, "the CPU has avx512_bf16: bf16 matmuls run 2-3x float32s")
+    assert pick_cpu_dtype(99_190_000, fast) == (
+        "bfloat16",
+        f"{fast[1]}; the model has 99M parameters",
+    )
+    small = pick_cpu_dtype(3_190_000, fast)
+    assert small[0] == "float32" and "3.19M parameters, under 50M" in small[1], small
+    assert pick_cpu_dtype(None, fast)[0] == "float32"
+    assert pick_cpu_dtype(99_190_000, (False, "capped: float32")) == ("float32", "capped: float32")
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])

@@ -13,10 +13,11 @@
 The two sides still differ in bf16 (the sampler keeps its residual stream in bf16, the
 trainer's stays float32): ``train/mismatch_kl`` (``algorithms.mismatch_kl``) shows how much.
 
-``auto`` is bfloat16 on CUDA, and on a CPU whose kernels have bf16 dot products (AVX512-BF16 or
-AMX, and neither ``ATEN_CPU_CAPABILITY`` nor ``ONEDNN_MAX_CPU_ISA`` capping them): there a bf16
-matrix multiply runs 2-3x a float32 one (``docs/benchmarks/field.md``), as TRL's default
-``bf16=True`` autocast uses. Elsewhere float32 (a CPU without them emulates bf16, slower).
+``auto`` is bfloat16 on CUDA, float32 on a CPU. A job's flow decides a CPU job's ``auto``
+before its workers start (``flows/auto.py``, ``cpu_kernels.pick_cpu_dtype``): bfloat16 for a
+model of 50M parameters or more where the CPU's kernels have bf16 dot products (AVX512-BF16 or
+AMX: a bf16 matrix multiply runs 2-3x a float32 one, as TRL's default ``bf16=True`` autocast
+uses), else float32.
 """
 
 from __future__ import annotations
@@ -25,15 +26,13 @@ import contextlib
 
 import torch
 
-from flowrl.backends.models.cpu_kernels import cpu_bf16
 from flowrl.backends.types import Precision
 
 
 def compute_dtype(precision: Precision, device: torch.device) -> torch.dtype:
     """The dtype a worker on ``device`` computes in for ``precision`` (``auto``: see above)."""
     if precision == "auto":
-        fast = device.type == "cuda" or (device.type == "cpu" and cpu_bf16()[0])
-        return torch.bfloat16 if fast else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[precision]
 
 
