@@ -479,11 +479,9 @@ class ResourcesSection(_Section, title="Resources"):
     )
     dtype: Precision = Field(
         default="auto",
-        description="Precision of the sampler and trainer: float32, bfloat16, or auto (bfloat16 "
-        "on CUDA, and for a model of 50M parameters or more on a CPU with bf16 dot products, "
-        "AVX512-BF16 or AMX; else float32; a CPU job's log and MLflow tags dtype / dtype.why "
-        "say which and why). The trainer keeps "
-        "float32 master weights and AdamW state (bf16 autocast forward); log-probs are float32.",
+        description="Precision of sampler and trainer: float32, bfloat16, or auto (bf16 on CUDA, "
+        "and from 50M parameters on CPUs with AVX512-BF16/AMX; else float32; tags dtype(.why) "
+        "say why). Trainer: float32 masters and AdamW state (bf16 autocast); log-probs float32.",
     )
     placement: Literal["own", "shared"] = Field(
         default="own",
