@@ -57,6 +57,12 @@ def abandoning_calls() -> Iterator[None]:
         _ABANDON.clear()
 
 
+def abandon_calls() -> None:
+    """Abandon calls from now on, until the ``abandoning_calls`` block that the caller enters
+    later leaves (a job's stop that begins before its stage runner's)."""
+    _ABANDON.set()
+
+
 def calls_abandoned() -> bool:
     """Whether the job is stopping (inside ``abandoning_calls``): waits should end now."""
     return _ABANDON.is_set()

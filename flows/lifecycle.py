@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import logging
 import os
 import sys
 import threading
@@ -28,7 +29,12 @@ from flowrl.backends.policy.placement import Placement
 from flowrl.backends.policy.workers import admission_limit
 from flowrl.backends.types import LoraSettings, WorkerSpec
 from flowrl.environments.remote import stop_env_pool
-from flowrl.environments.timeouts import abandoning_calls
+from flowrl.environments.timeouts import (
+    CallsAbandoned,
+    abandon_calls,
+    abandoning_calls,
+    calls_abandoned,
+)
 from flowrl.flows.auto import auto_resources, shared_worker_settings
 from flowrl.flows.engines import InfrastructureError, connect_ray, infrastructure_fault
 from flowrl.flows.run_page import Column, Phase, RunPage
@@ -62,6 +68,7 @@ class RayStageRunner(ThreadPoolTaskRunner):
     def __init__(self, max_workers: int = 12):  # up to 8 rollouts ahead (max_staleness), + 4
         super().__init__(max_workers=max_workers)
         self._owns_ray = False
+        self._stopping = False
         self.unreachable: InfrastructureError | None = None
         """Why Ray could not be reached, raised by the flow (``JobRun``), where its run
         logger says it in one line and the run ends CRASHED (``resumable``)."""
@@ -72,6 +79,7 @@ class RayStageRunner(ThreadPoolTaskRunner):
             self._owns_ray = connect_ray()
         except InfrastructureError as err:
             self.unreachable = err
+        _quiet_when_stopping()
         return self
 
     def submit(self, *args: Any, **kwargs: Any) -> Any:
@@ -84,13 +92,41 @@ class RayStageRunner(ThreadPoolTaskRunner):
         (an exception: SIGTERM, a cancel, a failed stage) does not wait out a stage's hung
         environment calls: they are abandoned, and each stage thread ends at its next Ray or
         environment call."""
-        stopping = exc_info[0] is not None
+        stopping = exc_info[0] is not None or self._stopping
         try:
             if self._owns_ray and ray.is_initialized():
                 ray.shutdown()
         finally:
             with abandoning_calls() if stopping else contextlib.nullcontext():
                 super().__exit__(*exc_info)
+            self._stopping = False
+
+    def stop_stages(self) -> None:
+        """The job is stopping (``JobRun`` leaves on an exception, before it stops its
+        workers): from now until the runner exits, the stages still running (a rollout ahead,
+        the update the flow was waiting for) abandon their environment calls, and one that
+        fails on a worker the job stopped logs one line, no traceback."""
+        self._stopping = True
+        abandon_calls()
+
+
+class _StoppedStage(logging.Filter):
+    """On Prefect's task-run logger: while the job is stopping, a stage's failure on a Ray call
+    (its worker was stopped under it) is one line, ``... (its job is stopping)``; the job's own
+    reason is what its log says last. Any other failure keeps its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if calls_abandoned() and isinstance(exc, ray.exceptions.RayError | CallsAbandoned):
+            record.msg, record.args = f"{record.getMessage()} (its job is stopping)", ()
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def _quiet_when_stopping() -> None:
+    logger = logging.getLogger("prefect.task_runs")
+    if not any(isinstance(f, _StoppedStage) for f in logger.filters):
+        logger.addFilter(_StoppedStage())
 
 
 def resumable(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -273,6 +309,9 @@ class JobRun:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        runner = _current_runner()
+        if exc_type is not None and runner is not None:
+            runner.stop_stages()  # before any worker stops under a stage still running
         try:
             if exc_type is None:
                 self.flush_metrics()

@@ -222,3 +222,69 @@ def test_an_actor_that_fails_to_start_is_the_jobs_error_a_killed_one_the_platfor
             ray.get(fine.ping.remote(), timeout=60)
             time.sleep(0.1)
     assert infrastructure_fault(killed.value).startswith("Ray lost the job's workers")
+
+
+def test_a_stage_cut_short_by_its_jobs_stop_logs_one_line_not_a_traceback(flowrl_home, prefect_api):
+    """A job that stops (SIGTERM, a failed stage) stops its workers while a stage may still be
+    waiting on them (a rollout sampled ahead, the update the flow waited for). That stage's
+    failure is one line saying the job is stopping, not a Ray traceback after the job's own
+    reason; a stage failing for a reason of its own keeps its traceback."""
+    import logging
+
+    import ray
+    from prefect import flow, task
+
+    from flowrl.flows.lifecycle import JobRun, task_runner
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def work(self, seconds: float) -> float:
+            time.sleep(seconds)
+            return seconds
+
+    @task(name="waits-on-a-worker")
+    def waits(worker: Any) -> float:
+        return ray.get(worker.work.remote(120.0))
+
+    @task(name="fails-by-itself")
+    def fails() -> None:
+        raise ValueError("a reason of its own")
+
+    @flow(name="stopping-job", task_runner=task_runner())
+    def stopping_job(config: RLJobConfig) -> None:
+        worker = Worker.remote()
+        try:
+            with JobRun(config):
+                with pytest.raises(ValueError):
+                    fails.submit().result()
+                waits.submit(worker)
+                ray.get(worker.work.remote(0.0))  # up: the stage's call is on its way
+                time.sleep(1.0)
+                raise RuntimeError("the job's own reason")
+        finally:
+            ray.kill(worker)  # as the job's exit stops its workers
+
+    class Lines(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(logging.Formatter().format(record))
+
+    seen = Lines()
+    logger = logging.getLogger("prefect.task_runs")
+    logger.addHandler(seen)
+    try:
+        with pytest.raises(RuntimeError, match="the job's own reason"):
+            stopping_job(RLJobConfig(name="stopping-job"))
+    finally:
+        logger.removeHandler(seen)
+    own = [x for x in seen.lines if "a reason of its own" in x]
+    assert any("Traceback" in x for x in own), own  # its own failure, told in full
+    cut = [x for x in seen.lines if "ActorDiedError" in x and "Finished in state" not in x]
+    assert cut and all(x.endswith("(its job is stopping)") for x in cut), cut
+    assert not any("Traceback" in x for x in cut), cut
+    from flowrl.environments.timeouts import calls_abandoned
+
+    assert not calls_abandoned()  # the next job in this process waits on its calls again

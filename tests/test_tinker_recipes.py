@@ -577,10 +577,14 @@ def _taught(
     answers: tuple[object, ...],
     questions: list[str] = FOURS,
     form: str = "\\boxed{{{}}}",
+    seed: int = 0,
+    learning_rate: float = 5e-3,
 ) -> Any:
     """A training client of ``Qwen/Qwen3-8B`` with an adapter taught (30 SL steps through the
     SDK) to answer each of ``questions`` (deepmath's stand-in) with ``form`` of k
-    (``\\boxed{k}``), k one of ``answers`` about evenly."""
+    (``\\boxed{k}``), k one of ``answers`` about evenly. Its adapter starts from ``seed``: the
+    same client every run. Adam at ``learning_rate``: at 1e-2, one seed of four gave a taught
+    answer -6.8, not ~0 (a CI run's student, -5); at 5e-3 none of four did."""
     import tinker
     from tinker import types
 
@@ -600,10 +604,10 @@ def _taught(
             )
         )
     client = tinker.ServiceClient(base_url=cookbook.url, api_key=KEY)
-    trainer = client.create_lora_training_client(base_model=BASE, rank=8)
+    trainer = client.create_lora_training_client(base_model=BASE, rank=8, seed=seed)
     for _ in range(30):
         trainer.forward_backward(data, "cross_entropy").result()
-        trainer.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        trainer.optim_step(types.AdamParams(learning_rate=learning_rate)).result()
     return trainer
 
 
@@ -617,10 +621,28 @@ def test_on_policy_distillation_brings_the_student_to_its_teacher(cookbook: Cook
 
     from flowrl.backends.models.chat import HFChatFormat
 
-    teacher = _taught(cookbook, (4,)).save_weights_for_sampler("teacher").result().path
-    taught = _taught(cookbook, (4, 7))
+    client = tinker.ServiceClient(base_url=cookbook.url, api_key=KEY)
+    chat = HFChatFormat.from_folder(cookbook.folder)
+
+    def logprob(path: str, answer: int) -> float:
+        """The sampler at ``path``'s log-prob of replying ``\\boxed{answer}``, mean over the
+        questions."""
+        sampler = client.create_sampling_client(model_path=path)
+        reply = chat.encode_reply(f"<think>\n\n</think>\n\n\\boxed{{{answer}}}")
+        total = 0.0
+        for question in FOURS:
+            prompt = chat.encode_prompt([{"role": "user", "content": question}])
+            scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + reply))
+            total += sum(scored.result()[len(prompt) :])
+        return total / len(FOURS)
+
+    teacher = _taught(cookbook, (4,), seed=1).save_weights_for_sampler("teacher").result().path
+    taught = _taught(cookbook, (4, 7), seed=2)
     student = taught.save_state("student").result().path
     before_path = taught.save_weights_for_sampler("student-before").result().path
+    # measured before the recipe runs (an untaught adapter gives -17 and -28)
+    before = {k: logprob(before_path, k) for k in (4, 7)}
+    assert before[7] > -2.5, before  # taught: 7 about as often as 4
     log = cookbook.home / "distill"
     cookbook.run(
         "distillation.on_policy_distillation",
@@ -646,25 +668,8 @@ def test_on_policy_distillation_brings_the_student_to_its_teacher(cookbook: Cook
     # answers 7 half the time reads ~0 or ~1 by the luck of the draw (runs began 0.42, 0.06
     # and 0.32, 1.14, 1.20). What the student gives each answer is measured exactly.
     final = json.loads((log / "checkpoints.jsonl").read_text().splitlines()[-1])
-    client = tinker.ServiceClient(base_url=cookbook.url, api_key=KEY)
-    chat = HFChatFormat.from_folder(cookbook.folder)
-
-    def logprob(path: str, answer: int) -> float:
-        """The sampler at ``path``'s log-prob of replying ``\\boxed{answer}``, mean over the
-        questions."""
-        sampler = client.create_sampling_client(model_path=path)
-        reply = chat.encode_reply(f"<think>\n\n</think>\n\n\\boxed{{{answer}}}")
-        total = 0.0
-        for question in FOURS:
-            prompt = chat.encode_prompt([{"role": "user", "content": question}])
-            scored = sampler.compute_logprobs(types.ModelInput.from_ints(prompt + reply))
-            total += sum(scored.result()[len(prompt) :])
-        return total / len(FOURS)
-
-    before = {k: logprob(before_path, k) for k in (4, 7)}
     after = {k: logprob(final["sampler_path"], k) for k in (4, 7)}
     print(json.dumps({"kl": kl, "before": before, "after": after}))  # shown with -s
-    assert before[7] > -2.5, before  # taught: 7 about as often as 4
     assert after[7] < before[7] - 2.0, (before, after)
     assert after[4] > before[4], (before, after)
 
@@ -693,7 +698,7 @@ def test_sdft_teaches_the_student_what_its_teacher_answers(cookbook: Cookbook) -
         "is the letter of the correct option."
         for row in rows
     ]
-    student = _taught(cookbook, ("A",), questions, "<answer>{}</answer>")
+    student = _taught(cookbook, ("A",), questions, "<answer>{}</answer>", learning_rate=1e-2)
     log = cookbook.home / "sdft"
     cookbook.run(
         "sdft.train",
