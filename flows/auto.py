@@ -4,6 +4,7 @@ for the job's log and MLflow tags saying what was picked and why."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from prefect.settings import PREFECT_API_URL
@@ -24,14 +25,15 @@ def shared_worker_settings() -> SharedWorkerSettings:
     return SharedWorkerSettings.from_settings(prefect_api_url=PREFECT_API_URL.value() or None)
 
 
-def auto_sampler(resources: Any, folder: str) -> SamplerChoice:
+def auto_sampler(resources: Any, folder: str, parameters: int | None) -> SamplerChoice:
     """``resources.sampler_backend: auto`` for the job's ``resources`` and its model's local
-    folder: its size (safetensors headers), whether it takes images, whether its workers have
-    GPUs, and whether vLLM's venv is on this machine (``resources.pick_sampler`` decides)."""
+    folder: its size (``parameters``, from its safetensors headers), whether it takes images,
+    whether its workers have GPUs, and whether vLLM's venv is on this machine
+    (``resources.pick_sampler`` decides)."""
     settings = get_settings()
     python = settings.resolved_vllm_python
     return pick_sampler(
-        parameters=weight_count(folder),
+        parameters=parameters,
         vision=is_vision_language(folder),
         colocate=resources.colocate,
         placement=resources.placement,
@@ -56,8 +58,15 @@ def auto_resources(
         return config, []
     said = []
     resources = config.resources
+
+    @functools.cache
+    def model() -> tuple[str, int | None]:
+        """The model's local folder and its size, read once for every decision that needs it."""
+        folder = resolve_model_uri(model_uri, cache_dir)
+        return folder, weight_count(folder)
+
     if resources.sampler_backend == "auto":
-        choice = auto_sampler(resources, resolve_model_uri(model_uri, cache_dir))
+        choice = auto_sampler(resources, *model())
         resources = resources.model_copy(update={"sampler_backend": choice.backend})
         config = config.model_copy(update={"resources": resources})
         line = f"sampler: {choice.backend} (resources.sampler_backend auto: {choice.why})"
@@ -70,8 +79,7 @@ def auto_resources(
         line = f"threads: {build.threads()} (resources.torch_threads auto: {why})"
         said.append((line, {"torch_threads": build.threads(), "torch_threads.why": why}))
     if resources.dtype == "auto" and resources.gpus == 0 and resources.gpus_per_worker == 0:
-        parameters = weight_count(resolve_model_uri(model_uri, cache_dir))
-        dtype, why = pick_cpu_dtype(parameters, cpu_bf16())
+        dtype, why = pick_cpu_dtype(model()[1], cpu_bf16())
         resources = config.resources.model_copy(update={"dtype": dtype})
         config = config.model_copy(update={"resources": resources})
         said.append(
