@@ -9,7 +9,9 @@ asks the Prefect API, as a user would:
 - a flow run tagged ``RESUME_TAG`` that is RUNNING or PENDING while its process (the
   worker's ``infrastructure_pid``, on this machine) is gone, or PENDING for
   ``PENDING_SECONDS`` with none (its worker was killed as it started it), on two passes in a
-  row, is marked CRASHED;
+  row in the same state, is marked CRASHED (a run scheduled again between the passes is PENDING
+  in a new state, still showing its last attempt's dead pid until the worker writes the new
+  one: a first look);
 - a flow run tagged ``RESUME_TAG`` that has been CRASHED for ``GRACE_SECONDS`` (the automation
   had its chance) and has run fewer than ``max_attempts`` times is scheduled again
   (``AwaitingRetry``), exactly as the automation would have done.
@@ -61,7 +63,7 @@ class Resumer:
         self.api = api
         self.tag = tag
         self.max_attempts = max_attempts
-        self._gone_once: set[str] = set()
+        self._gone_once: set[tuple[str, str]] = set()  # (run, state) seen gone on the last pass
 
     def runs(self, state_type: str) -> list[dict[str, Any]]:
         body = {
@@ -95,8 +97,9 @@ class Resumer:
                 gone = kind == "PENDING" and _age_s(run["state"], now) > PENDING_SECONDS
             if not gone:
                 continue
-            gone_now.add(run["id"])
-            if run["id"] in self._gone_once:  # gone on the pass before too: not a race
+            seen = (run["id"], str(run["state"].get("id")))
+            gone_now.add(seen)
+            if seen in self._gone_once:  # gone in this state on the pass before too: no race
                 what = f"pid {pid}" if pid else f"none after {PENDING_SECONDS:.0f} s"
                 message = (
                     f"flowrl: the job's process ({what}) is gone (seen by the stack's resumer)"

@@ -1009,6 +1009,22 @@ def test_the_resumer_catches_what_the_automation_missed(stack_env):
     assert len(first + rest) == 2  # each once
     assert state_of()[:2] == ("SCHEDULED", "AwaitingRetry")
 
+    # Seen gone, then scheduled again before the next look (a crash the automation resumed): its
+    # new attempt is PENDING with the last attempt's dead pid until its worker writes the new one.
+    # That is a first look at a new state, not a second one (a CI run's resumer crashed such an
+    # attempt as it started).
+    again = f"{tag}-again"
+    with get_client(sync_client=True) as c:
+        resumed = c.create_flow_run(probe, name="resumer-again", tags=[again], state=Running())
+        c.update_flow_run(resumed.id, infrastructure_pid=str(gone.pid))
+    with httpx.Client(base_url=stack_env.env["PREFECT_API_URL"], trust_env=False) as api:
+        looks = resumer.Resumer(api, again, max_attempts=3)
+        assert looks.one_pass() == []
+        with get_client(sync_client=True) as c:
+            c.set_flow_run_state(resumed.id, Pending(), force=True)
+        assert looks.one_pass() == []  # a new state: looked at once
+        assert looks.one_pass() == ["resumer-again: PENDING with its process gone -> CRASHED"]
+
 
 def test_a_job_trains_through_an_mlflow_outage(stack_env):
     """MLflow stopped while a job trains: the job's steps go on (its records wait on disk), it
