@@ -129,11 +129,15 @@ def split_lines(sizes: dict[str, dict[str, dict[str, Any]]]) -> str:
                 )
                 continue
             rollout = p["rollout_ahead"] if "rollout_ahead" in p else p["rollout"]
+            zero = r.get("zero_advantage_rows", [])[trl_compare.SKIP :]
+            skipped = (
+                f"; rows of advantage 0, not run: {statistics.fmean(zero):.0%}" if zero else ""
+            )
             lines.append(
                 f"- {SIZE_NAMES[size]}, {side}: {p['step']:.2f} s; rollout {rollout:.2f}"
                 f"{' (sampled during the previous update)' if 'one-step' in side else ''}, "
                 f"reward {p['reward']:.2f}, update {p['update']:.2f} (of it fwd+bwd+AdamW "
-                f"{p['train']:.2f}, weight sync {p['sync']:.2f})"
+                f"{p['train']:.2f}, weight sync {p['sync']:.2f}{skipped})"
             )
     return "\n".join(lines) + "\n"
 
@@ -215,9 +219,13 @@ def report(
   `schedule.off_policy_steps=1`; `trl-{TRL_THREADS}t` TRL's `GRPOTrainer` with {TRL_THREADS}
   torch threads (both cores, `use_vllm=False`) in the precision the defaults picked (`bf16=True`,
   TRL's own default, where they picked bf16), from the same warm model, the same prompts in the
-  same order, the same loss (PPO-clip, token-mean, no KL) and AdamW, trained for the defaults'
-  training wall time. flowrl steps: {steps}; s/step: mean after the first
-  {trl_compare.SKIP} steps (TRL: between its step callbacks, after as many).
+  same order, the same loss (PPO-clip, token-mean, no KL) and fused AdamW, trained for the
+  defaults' training wall time. flowrl's trainer leaves rows of advantage 0 (a group whose
+  samples all scored the same) out of its forward and backward passes
+  (`algorithm.skip_zero_advantage`, on by default: their gradient is 0, the update is the same);
+  TRL runs every row. The share left out is in the step split below. flowrl steps: {steps};
+  s/step: mean after the first {trl_compare.SKIP} steps (TRL: between its step callbacks, after
+  as many).
 - before each size's sides, one short run of its job builds the model and runs the warm-up SFT
   (cached from then on, as a second job on a machine finds them): no side's figures include them.
 - peak PSS: the side's whole process tree (flowrl: the flow's process, the Prefect API, Ray and

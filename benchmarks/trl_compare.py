@@ -81,8 +81,10 @@ SIZES = {
             "model.tiny.num_heads=12",
             "model.tiny.intermediate_size=2560",
             # No warm-up: SFT to any accuracy takes hours at this size on 2 cores. The reward
-            # is then 0 for every sample; both sides still run every sample through the loss.
+            # is then 0 for every sample, and so is every advantage: flowrl would skip them all
+            # (algorithm.skip_zero_advantage). Both sides run every sample through the loss.
             "warmup.enabled=false",
+            "algorithm.skip_zero_advantage=false",
             "env.eval_size=20",
             "rollout.prompts_per_step=4",
             "rollout.max_new_tokens=24",
@@ -90,7 +92,8 @@ SIZES = {
         ),
         6,
         "Llama hidden 768 × 12 layers (12 heads), MLP 2560 (99.19M parameters), random "
-        "weights (no warm-up: reward 0, advantages 0, every sample still through the loss); "
+        "weights (no warm-up: reward 0, advantages 0; every sample still through the loss: "
+        "`algorithm.skip_zero_advantage=false`); "
         "4 prompts × 8 samples, ≤ 24 new tokens; 20 held-out problems",
     ),
 }
@@ -164,6 +167,7 @@ def flowrl_side(size: str, steps: int, ahead: int, extra: list[str]) -> dict[str
         "profile": profile,
         "tokens_per_sample": statistics.fmean(series("rollout/sampled_tokens")[SKIP:]) / samples,
         "reward": series("reward/mean"),
+        "zero_advantage_rows": series("train/zero_advantage_rows"),
         "staleness": series("train/staleness"),
         "accuracy_start": result.accuracy_start,
         "accuracy_end": result.accuracy_end,
@@ -302,7 +306,7 @@ def trl_side(
         shuffle_dataset=False,
         learning_rate=alg.learning_rate,
         lr_scheduler_type="constant",
-        optim="adamw_torch",
+        optim="adamw_torch_fused",  # TRL's default on torch >= 2.8, and flowrl's AdamW
         weight_decay=0.0,
         max_grad_norm=alg.max_grad_norm,
         beta=0.0,
@@ -643,13 +647,15 @@ def report(
   tiny size, 15% at the large), the same training prompts in the same order
   (`ArithmeticTask.problem(0), (1), …`), 8 samples per prompt, temperature 1, the same
   exact-match reward, GRPO advantages (group std, unbiased), PPO-clip ε = 0.2 with token-mean
-  aggregation (TRL `loss_type="dapo"`), no KL, AdamW (constant lr: 3e-4 tiny, 1e-4 large),
+  aggregation (TRL `loss_type="dapo"`), no KL, fused AdamW (constant lr: 3e-4 tiny, 1e-4 large),
   grad-norm clip 1.0, one optimiser step per batch. torch threads: TRL 1 or 2 (both cores) as
   listed; flowrl's sampler actor 1, its trainer actor `resources.trainer_threads` (default: 1).
 - flowrl one-step-off's options for this run: {flowrl_options}; flowrl on-policy runs the
   size's job as it is (at the tiny size: the default job). flowrl's trainer runs a prompt its rows
   repeat (a GRPO group's) once and copies its KV cache to the rows: the same loss and
-  gradients (`tests/test_workers.py`) from fewer tokens; TRL runs every row in full.
+  gradients (`tests/test_workers.py`) from fewer tokens, and leaves rows of advantage 0 (a group
+  whose samples all scored the same) out of its passes (`algorithm.skip_zero_advantage`: their
+  gradient is 0); TRL runs every row in full.
 - flowrl: the real `rl_train` flow (Prefect task runs in the flow process calling the Ray
   actors that hold the weights, MLflow),
   `schedule.off_policy_steps=1` unless marked on-policy. s/step: mean of the flow's

@@ -277,25 +277,22 @@ class AlgorithmSection(_Section, title="Algorithm"):
     learning_rate: float = Field(default=3e-4, gt=0, le=1, description="RL AdamW learning rate.")
     max_grad_norm: float = Field(default=1.0, gt=0, description="Gradient clipping norm.")
 
-    @field_validator("advantage")
-    @classmethod
-    def _known_advantage(cls, v: str) -> str:
-        return _known(v, ADVANTAGE_NAMES, "advantage estimator")
+    skip_zero_advantage: bool = Field(
+        default=True,
+        description="Rows of advantage 0 skip the trainer's forward and backward passes: their "
+        "gradient is 0, so the update is the same, sooner (false: every row runs, as in TRL).",
+    )
 
-    @field_validator("loss")
+    @field_validator("advantage", "loss", "loss_agg", "kl_estimator")
     @classmethod
-    def _known_loss(cls, v: str) -> str:
-        return _known(v, POLICY_LOSS_NAMES, "policy loss")
-
-    @field_validator("loss_agg")
-    @classmethod
-    def _known_agg(cls, v: str) -> str:
-        return _known(v, LOSS_AGGREGATION_NAMES, "loss aggregation")
-
-    @field_validator("kl_estimator")
-    @classmethod
-    def _known_kl(cls, v: str) -> str:
-        return _known(v, KL_ESTIMATOR_NAMES, "KL estimator")
+    def _known_name(cls, v: str, info: ValidationInfo) -> str:
+        registry, kind = {
+            "advantage": (ADVANTAGE_NAMES, "advantage estimator"),
+            "loss": (POLICY_LOSS_NAMES, "policy loss"),
+            "loss_agg": (LOSS_AGGREGATION_NAMES, "loss aggregation"),
+            "kl_estimator": (KL_ESTIMATOR_NAMES, "KL estimator"),
+        }[info.field_name]
+        return _known(v, registry, kind)
 
     @field_validator("mis_band")
     @classmethod
@@ -333,6 +330,7 @@ class AlgorithmSection(_Section, title="Algorithm"):
             "is_correction": self.correction(),
             "kl_coef": kl_coef,
             "kl_estimator": self.kl_estimator,
+            "skip_zero_advantage": self.skip_zero_advantage,
         }
 
 

@@ -82,3 +82,12 @@ def test_deepspeed_trains_syncs_and_round_trips_checkpoints(cls, lora, model_dir
     # and it keeps training from there (the engine's optimiser state came back too)
     more = _train(worker, 2)
     assert more[1] < more[0]
+
+    # A policy-loss batch: a row of advantage 0 is left out of the passes; a batch of only such
+    # rows runs them all through the engine (its hooks expect a forward pass), and steps.
+    alike = [Datum(TARGET, [0] + [1] * 5, 0.0), Datum(TARGET[:4], [0, 1, 1, 1], 0.0)]
+    assert worker.forward_backward(alike, "ppo_clip")["zero_advantage_rows"] == 0.0
+    assert worker.optim_step()["weights_version"] == 11
+    mixed = [alike[0], Datum(TARGET, [0] + [1] * 5, 1.0)]
+    assert worker.forward_backward(mixed, "ppo_clip")["zero_advantage_rows"] == 0.5
+    assert worker.optim_step()["weights_version"] == 12

@@ -215,6 +215,62 @@ def test_a_group_sharing_its_prompt_is_trained_on_one_pass_of_it_with_the_same_g
     assert full["loss"] != 0.0
 
 
+@pytest.mark.parametrize(
+    "loss_fn,loss_agg",
+    [("ppo_clip", "token-mean"), ("gspo", None), ("cispo", "seq-mean-token-sum")],
+    ids=["ppo-token-mean", "gspo-its-default", "cispo-seq-sum"],
+)
+def test_rows_of_advantage_zero_skip_the_passes_and_leave_loss_and_gradients_as_they_were(
+    policy, prompts, loss_fn, loss_agg
+):
+    """A GRPO group whose samples all scored the same has advantage 0: its rows add nothing to
+    the policy loss or its gradient. The trainer leaves them out of the forward and backward
+    passes (fewer rows run) and rescales the rest: loss and every gradient are those of the
+    whole batch; a batch of only such rows still gives AdamW zero gradients to step on."""
+    ref = policy()
+    grouped = [p for p in prompts for _ in range(4)]
+    results = sampler(ref).sample(grouped, MAX_NEW_TOKENS, 1.0, seed=5)
+    data = as_data(grouped, results)
+    # the first prompt's group all alike (advantage 0); the others' mixed
+    data = [
+        Datum(d.tokens, d.loss_mask, 0.0 if i < 4 else (-1.0) ** i * (1 + i % 3), d.old_logprobs)
+        for i, d in enumerate(data)
+    ]
+    model = trainer(ref)._target.model
+    forward = model.forward
+    rows_run: list[int] = []
+
+    def spy(*args, **kwargs):
+        rows_run.append(int(kwargs["input_ids"].shape[0]))
+        return forward(*args, **kwargs)
+
+    def step(rows: list[Datum], skip: bool) -> tuple[dict[str, float], list[torch.Tensor]]:
+        config = {"skip_zero_advantage": skip} | ({"loss_agg": loss_agg} if loss_agg else {})
+        rows_run.clear()
+        model.forward = spy
+        try:
+            metrics = trainer(ref).forward_backward(rows, loss_fn, config)
+        finally:
+            del model.forward
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return metrics, grads
+
+    skipped, skipped_grads = step(data, skip=True)
+    ran = list(rows_run)
+    whole, whole_grads = step(data, skip=False)
+    assert max(ran) == len(data) - 4 < max(rows_run)  # the alike group never ran
+    assert skipped["zero_advantage_rows"] == pytest.approx(4 / len(data))
+    assert skipped["loss"] == pytest.approx(whole["loss"], rel=1e-5) and whole["loss"] != 0.0
+    for a, b in zip(skipped_grads, whole_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+    alike = [Datum(d.tokens, d.loss_mask, 0.0, d.old_logprobs) for d in data]
+    metrics, grads = step(alike, skip=True)
+    assert rows_run == [] and metrics == {"loss": 0.0, "zero_advantage_rows": 1.0}
+    assert all(bool((g == 0).all()) for g in grads)
+
+
 def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(policy, prompts, tmp_path):
     url, prefix = str(tmp_path / "store"), "job/checkpoints"
     ref = policy()

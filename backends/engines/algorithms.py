@@ -145,6 +145,23 @@ LOSS_AGGREGATIONS: dict[str, LossAggregation] = {
 }
 
 
+def aggregation_denominator(loss_agg: str, token_counts: list[int]) -> float:
+    """What the ``LOSS_AGGREGATIONS`` entry ``loss_agg`` divides a batch's summed terms by, for
+    rows with ``token_counts`` trainable tokens each: the token count (token-mean), the row
+    count (seq-mean-token-sum) or the count of rows with a token (seq-mean-token-mean).
+
+    A loss taken over some of a batch's rows, times ``denominator(those rows) /
+    denominator(all rows)``, is the whole batch's loss less the other rows' terms: the trainer
+    leaves out rows whose every term is 0 (advantage 0) that way, with the same gradient.
+    """
+    _lookup(LOSS_AGGREGATIONS, loss_agg, "loss aggregation")
+    if loss_agg == "token-mean":
+        return float(max(sum(token_counts), 1))
+    if loss_agg == "seq-mean-token-sum":
+        return float(len(token_counts))
+    return float(max(sum(1 for n in token_counts if n > 0), 1))
+
+
 def kl_k1(logprobs_B_T: Tensor, ref_logprobs_B_T: Tensor) -> Tensor:
     """``log p - log p_ref``: unbiased per-sample estimate of KL(p || p_ref), can be negative
     (Schulman 2020, "Approximating KL Divergence"). ``[B, T] -> [B, T]``."""

@@ -75,6 +75,9 @@ class DeepSpeedTrainer(TorchTrainer):
     restartable = False
     """A DeepSpeed engine holds its process's distributed state: a new job's trainer is a new
     process."""
+    backward_without_rows = False
+    """The engine's gradient hooks (ZeRO-3: its parameters gathered) expect the model's own
+    forward pass: a batch of advantage-0 rows runs them all."""
 
     def __init__(self, spec: WorkerSpec):
         import deepspeed

@@ -8,6 +8,7 @@ by the checkpoint verbs only, so the worker runs where those are not installed
 
 from __future__ import annotations
 
+import inspect
 import io
 import tempfile
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from safetensors.torch import save as save_safetensors
 from flowrl.backends.engines.algorithms import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
+    aggregation_denominator,
     get_advantage_estimator,
     get_policy_loss,
     kl_penalized_rewards,
@@ -170,6 +172,34 @@ def _off_policy_correction(
     return trainer_old_B_T, weights_B_T, metrics
 
 
+def _default_aggregation(loss_fn: str) -> str:
+    """The ``loss_agg`` that the policy loss ``loss_fn`` takes when none is given."""
+    return inspect.signature(get_policy_loss(loss_fn)).parameters["loss_agg"].default
+
+
+def _rows_with_a_gradient(
+    data: list[Datum], loss_agg: str
+) -> tuple[list[Datum], float, dict[str, float]]:
+    """The rows of a policy-loss batch whose advantage is not 0, the factor that makes their
+    loss the whole batch's, and ``zero_advantage_rows`` (the share left out).
+
+    Every policy loss (``algorithms.POLICY_LOSSES``) is a sum of per-token terms each times its
+    row's advantage: a row of advantage 0 (a GRPO group whose samples all scored the same)
+    adds 0 to the loss and to every gradient. So those rows skip the forward and backward
+    passes, and the others' loss is scaled by the aggregation's denominators
+    (``algorithms.aggregation_denominator``): the loss and its gradient are the whole batch's.
+    The ratio metrics (``clip_fraction``, ``approx_kl``, ``mismatch_kl``, …) are then over the
+    rows that ran."""
+    counts = [sum(d.loss_mask[1:]) for d in data]
+    kept = [i for i, d in enumerate(data) if d.advantage != 0.0]
+    if len(kept) == len(data):
+        return data, 1.0, {"zero_advantage_rows": 0.0}
+    whole = aggregation_denominator(loss_agg, counts)
+    share = aggregation_denominator(loss_agg, [counts[i] for i in kept]) / whole if kept else 0.0
+    left_out = {"zero_advantage_rows": 1.0 - len(kept) / len(data)}
+    return [data[i] for i in kept], share, left_out
+
+
 class TorchTrainer:
     """AdamW on all weights or on a LoRA adapter; losses chosen by name. Master weights and
     optimiser state are float32; with ``spec.dtype`` bfloat16 the forward pass autocasts
@@ -177,6 +207,9 @@ class TorchTrainer:
 
     restartable = True
     """Built again in its process from a new spec, it is a new trainer (``actors``)."""
+    backward_without_rows = True
+    """A batch whose every row has advantage 0 gives zero gradients without a forward pass
+    (``_zero_loss``); else its rows run as without the skip."""
 
     def __init__(self, spec: WorkerSpec, loaded: Loaded | None = None, adapter: str = "default"):
         """``loaded`` and ``adapter``: as ``HFSampler``'s (the optimiser holds the parameters
@@ -193,9 +226,13 @@ class TorchTrainer:
         self._reference: torch.nn.Module | None = None  # full-parameter KL only
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW, fused on CPU and CUDA: one kernel per parameter instead of torch's default
+        lists of whole-model temporaries (at 100M parameters on 2 cores 0.06 s a step instead
+        of 0.17, and none of their memory)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
+        fused = self.device.type in ("cpu", "cuda") or None
         return torch.optim.AdamW(
-            params, lr=self.spec.learning_rate, weight_decay=self.spec.weight_decay
+            params, lr=self.spec.learning_rate, weight_decay=self.spec.weight_decay, fused=fused
         )
 
     def _batch(self, data: list[Datum]) -> dict[str, torch.Tensor]:
@@ -276,6 +313,18 @@ class TorchTrainer:
         tis_cap = options.pop("tis_cap", None)  # the older spelling of {"name": "tis", "cap": C}
         if correction is None and tis_cap is not None:
             correction = {"name": "tis", "cap": tis_cap}
+        skip = options.pop("skip_zero_advantage", True) and loss_fn != "cross_entropy"
+        share, skipped = 1.0, {}
+        if skip and kl_coef == 0:  # a KL term is not 0 at advantage 0
+            agg = options.get("loss_agg") or _default_aggregation(loss_fn)
+            kept, share, skipped = _rows_with_a_gradient(data, agg)
+            if not kept and self.backward_without_rows:
+                self._backward(self._zero_loss())  # AdamW still steps (momentum, decay)
+                return {"loss": 0.0, **skipped}
+            if kept:
+                data = kept
+            else:  # every row, as without the skip
+                share, skipped = 1.0, {"zero_advantage_rows": 0.0}
         b = self._batch(data)
         logprobs_B_T = self._loss_logprobs(data, b, temperature)
         sampled_B_T = b["mask"] * b["has_old"].unsqueeze(-1)  # tokens with sampler log-probs
@@ -295,7 +344,9 @@ class TorchTrainer:
                 weights_B_T=weights_B_T,
                 **options,
             )
-            metrics |= loss_metrics
+            if share != 1.0:  # rows of advantage 0 left out: the whole batch's loss
+                loss = loss * share
+            metrics |= loss_metrics | skipped
         if kl_coef > 0:
             ref_B_T = self._reference_logprobs(b, temperature)
             kl_B_T = KL_ESTIMATORS[kl_estimator](logprobs_B_T, ref_B_T)
@@ -311,6 +362,14 @@ class TorchTrainer:
     def _backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (the DeepSpeed trainer routes it through its engine)."""
         loss.backward()
+
+    def _zero_loss(self) -> torch.Tensor:
+        """0 as a function of every trainable weight: its backward gives them zero gradients,
+        as a batch of advantage-0 rows run through the model would."""
+        return sum(
+            (p.sum() * 0.0 for p in self.model.parameters() if p.requires_grad),
+            torch.zeros((), device=self.device),
+        )
 
     @torch.no_grad()
     def _reference_logprobs(
