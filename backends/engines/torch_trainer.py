@@ -200,6 +200,35 @@ def _rows_with_a_gradient(
     return [data[i] for i in kept], share, left_out
 
 
+def _padded_batch(data: list[Datum], pad: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """Right-pad a list of Datum into B x T tensors (shifted so position t predicts t+1)."""
+    width = max(len(d.tokens) for d in data)
+
+    def padded(rows: list[list], value: float, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
+
+    ids = padded([d.tokens for d in data], pad, torch.long)
+    attention = padded([[1] * len(d.tokens) for d in data], 0, torch.long)
+    mask = padded([d.loss_mask for d in data], 0.0, torch.float32)
+    old = padded([d.old_logprobs or [0.0] * len(d.tokens) for d in data], 0.0, torch.float32)
+    batch = {
+        "ids": ids,
+        "attention": attention,
+        "mask": mask[:, 1:],
+        "old": old[:, 1:],
+        "has_old": torch.tensor([float(bool(d.old_logprobs)) for d in data]),
+        "advantages": torch.tensor([d.advantage for d in data], dtype=torch.float32),
+    }
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def _zero_loss(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
+    """0 as a function of every trainable weight: its backward gives them zero gradients, as a
+    batch of advantage-0 rows run through the model would."""
+    trainable = (p.sum() * 0.0 for p in model.parameters() if p.requires_grad)
+    return sum(trainable, torch.zeros((), device=device))
+
+
 class TorchTrainer:
     """AdamW on all weights or on a LoRA adapter; losses chosen by name. Master weights and
     optimiser state are float32; with ``spec.dtype`` bfloat16 the forward pass autocasts
@@ -236,29 +265,9 @@ class TorchTrainer:
         )
 
     def _batch(self, data: list[Datum]) -> dict[str, torch.Tensor]:
-        """Right-pad a list of Datum into B x T tensors (shifted so position t predicts t+1),
-        plus ``pixel_values`` of the data's images when any datum has some."""
-        width = max(len(d.tokens) for d in data)
-        pad = pad_id(self.tokenizer)
-
-        def padded(rows: list[list], value: float, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor([r + [value] * (width - len(r)) for r in rows], dtype=dtype)
-
-        ids = padded([d.tokens for d in data], pad, torch.long)
-        attention = padded([[1] * len(d.tokens) for d in data], 0, torch.long)
-        mask = padded([d.loss_mask for d in data], 0.0, torch.float32)
-        old = padded([d.old_logprobs or [0.0] * len(d.tokens) for d in data], 0.0, torch.float32)
-        has_old = torch.tensor([float(bool(d.old_logprobs)) for d in data])
-        advantages = torch.tensor([d.advantage for d in data], dtype=torch.float32)
-        batch = {
-            "ids": ids,
-            "attention": attention,
-            "mask": mask[:, 1:],
-            "old": old[:, 1:],
-            "has_old": has_old,
-            "advantages": advantages,
-        }
-        batch = {k: v.to(self.device) for k, v in batch.items()}
+        """``_padded_batch`` on this worker's device, plus ``pixel_values`` of the data's images
+        when any datum has some."""
+        batch = _padded_batch(data, pad_id(self.tokenizer), self.device)
         return batch | vision_inputs(self.image_inputs, [d.images for d in data], self.device)
 
     def _logprobs(self, b: dict[str, torch.Tensor], temperature: float = 1.0) -> torch.Tensor:
@@ -319,7 +328,8 @@ class TorchTrainer:
             agg = options.get("loss_agg") or _default_aggregation(loss_fn)
             kept, share, skipped = _rows_with_a_gradient(data, agg)
             if not kept and self.backward_without_rows:
-                self._backward(self._zero_loss())  # AdamW still steps (momentum, decay)
+                # zero gradients, not none: AdamW still steps (momentum, weight decay)
+                self._backward(_zero_loss(self.model, self.device))
                 return {"loss": 0.0, **skipped}
             if kept:
                 data = kept
@@ -362,14 +372,6 @@ class TorchTrainer:
     def _backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (the DeepSpeed trainer routes it through its engine)."""
         loss.backward()
-
-    def _zero_loss(self) -> torch.Tensor:
-        """0 as a function of every trainable weight: its backward gives them zero gradients,
-        as a batch of advantage-0 rows run through the model would."""
-        return sum(
-            (p.sum() * 0.0 for p in self.model.parameters() if p.requires_grad),
-            torch.zeros((), device=self.device),
-        )
 
     @torch.no_grad()
     def _reference_logprobs(
