@@ -219,8 +219,9 @@ def report(
   `schedule.off_policy_steps=1`; `trl-{TRL_THREADS}t` TRL's `GRPOTrainer` with {TRL_THREADS}
   torch threads (both cores, `use_vllm=False`) in the precision the defaults picked (`bf16=True`,
   TRL's own default, where they picked bf16), from the same warm model, the same prompts in the
-  same order, the same loss (PPO-clip, token-mean, no KL) and fused AdamW, trained for the
-  defaults' training wall time. flowrl's trainer leaves rows of advantage 0 (a group whose
+  same order, the same loss (PPO-clip, token-mean, no KL) and AdamW (TRL's default, fused;
+  flowrl's fused from 10M parameters), trained for the defaults' training wall time. flowrl's
+  trainer leaves rows of advantage 0 (a group whose
   samples all scored the same) out of its forward and backward passes
   (`algorithm.skip_zero_advantage`, on by default: their gradient is 0, the update is the same);
   TRL runs every row. The share left out is in the step split below. flowrl steps: {steps};

@@ -647,7 +647,8 @@ def report(
   tiny size, 15% at the large), the same training prompts in the same order
   (`ArithmeticTask.problem(0), (1), …`), 8 samples per prompt, temperature 1, the same
   exact-match reward, GRPO advantages (group std, unbiased), PPO-clip ε = 0.2 with token-mean
-  aggregation (TRL `loss_type="dapo"`), no KL, fused AdamW (constant lr: 3e-4 tiny, 1e-4 large),
+  aggregation (TRL `loss_type="dapo"`), no KL, AdamW (TRL: fused, its default; flowrl: fused
+  from 10M parameters; constant lr: 3e-4 tiny, 1e-4 large),
   grad-norm clip 1.0, one optimiser step per batch. torch threads: TRL 1 or 2 (both cores) as
   listed; flowrl's sampler actor 1, its trainer actor `resources.trainer_threads` (default: 1).
 - flowrl one-step-off's options for this run: {flowrl_options}; flowrl on-policy runs the

@@ -229,6 +229,21 @@ def _zero_loss(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
     return sum(trainable, torch.zeros((), device=device))
 
 
+FUSED_ADAMW_MIN_PARAMETERS = 10_000_000
+
+
+def _fused_adamw(params: list[torch.nn.Parameter], device: torch.device) -> bool | None:
+    """True (torch's fused AdamW: one kernel per parameter, none of the default for-each's
+    whole-model temporaries) for ``FUSED_ADAMW_MIN_PARAMETERS`` trainable weights or more on
+    CPU or CUDA; else None (torch's default). At 99M parameters on 2 cores fused took a whole
+    job's step from 3.92 to 3.69 s (docs/benchmarks/field.md's ~100M job); at 3.19M it saves
+    ~4 ms of a 1.3 s step, and at 0.34M it changed a warm-up's trajectory enough to miss its
+    target (tests/test_agent_training.py's SFT: 0.03 after 600 steps where the default's
+    reached 0.45 at 470): small models keep the default's numbers."""
+    big = sum(p.numel() for p in params) >= FUSED_ADAMW_MIN_PARAMETERS
+    return True if big and device.type in ("cpu", "cuda") else None
+
+
 class TorchTrainer:
     """AdamW on all weights or on a LoRA adapter; losses chosen by name. Master weights and
     optimiser state are float32; with ``spec.dtype`` bfloat16 the forward pass autocasts
@@ -255,13 +270,13 @@ class TorchTrainer:
         self._reference: torch.nn.Module | None = None  # full-parameter KL only
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW, fused on CPU and CUDA: one kernel per parameter instead of torch's default
-        lists of whole-model temporaries (at 100M parameters on 2 cores 0.06 s a step instead
-        of 0.17, and none of their memory)."""
+        """AdamW; fused on CPU and CUDA from ``FUSED_ADAMW_MIN_PARAMETERS`` trainable weights
+        up (``_fused_adamw``)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
-        fused = self.device.type in ("cpu", "cuda") or None
+        fused = _fused_adamw(params, self.device)
+        spec = self.spec
         return torch.optim.AdamW(
-            params, lr=self.spec.learning_rate, weight_decay=self.spec.weight_decay, fused=fused
+            params, spec.learning_rate, weight_decay=spec.weight_decay, fused=fused
         )
 
     def _batch(self, data: list[Datum]) -> dict[str, torch.Tensor]:
