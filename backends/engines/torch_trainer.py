@@ -8,6 +8,7 @@ by the checkpoint verbs only, so the worker runs where those are not installed
 
 from __future__ import annotations
 
+import functools
 import inspect
 import io
 import tempfile
@@ -172,6 +173,7 @@ def _off_policy_correction(
     return trainer_old_B_T, weights_B_T, metrics
 
 
+@functools.cache
 def _default_aggregation(loss_fn: str) -> str:
     """The ``loss_agg`` that the policy loss ``loss_fn`` takes when none is given."""
     return inspect.signature(get_policy_loss(loss_fn)).parameters["loss_agg"].default
@@ -190,10 +192,10 @@ def _rows_with_a_gradient(
     (``algorithms.aggregation_denominator``): the loss and its gradient are the whole batch's.
     The ratio metrics (``clip_fraction``, ``approx_kl``, ``mismatch_kl``, …) are then over the
     rows that ran."""
-    counts = [sum(d.loss_mask[1:]) for d in data]
     kept = [i for i, d in enumerate(data) if d.advantage != 0.0]
     if len(kept) == len(data):
         return data, 1.0, {"zero_advantage_rows": 0.0}
+    counts = [sum(d.loss_mask[1:]) for d in data]  # only a batch that leaves rows out
     whole = aggregation_denominator(loss_agg, counts)
     share = aggregation_denominator(loss_agg, [counts[i] for i in kept]) / whole if kept else 0.0
     left_out = {"zero_advantage_rows": 1.0 - len(kept) / len(data)}
