@@ -21,7 +21,7 @@ import os
 import re
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -63,6 +63,7 @@ S3_CONFIG_DEFAULTS: dict[str, Any] = {
     "retries": {"max_attempts": 1, "mode": "standard"},
 }
 UPLOAD_SECONDS_PER_MIB = 1.0
+HASH_CHUNK = 8 * 2**20
 
 
 class Storage:
@@ -152,8 +153,24 @@ class Storage:
         self._retry(f"write {rel}", lambda: self.fs.pipe_file(tmp, data))
         os.replace(tmp, path)
 
+    def write_file(self, rel: str, local: str | Path) -> None:
+        """Write (or overwrite) one file from the local file ``local``, streamed (never whole
+        in memory); all or nothing is visible to readers, as with ``write_bytes``."""
+        path = self._path(rel)
+        if not self.is_local:
+            timeout = self._timeout(os.path.getsize(local))
+            self._retry(f"write {rel}", lambda: self.fs.put_file(str(local), path, **timeout))
+            return
+        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+        self._retry(f"write {rel}", lambda: self.fs.put_file(str(local), tmp))
+        os.replace(tmp, path)
+
     def read_bytes(self, rel: str) -> bytes:
         return self._retry(f"read {rel}", lambda: self.fs.cat_file(self._path(rel)))
+
+    def read_file(self, rel: str, local: str | Path) -> None:
+        """Download one file to the local path ``local``, streamed (never whole in memory)."""
+        self._retry(f"read {rel}", lambda: self.fs.get_file(self._path(rel), str(local)))
 
     def write_json(self, rel: str, obj: Any) -> None:
         self.write_bytes(rel, json.dumps(obj, indent=2, sort_keys=True).encode())
@@ -234,22 +251,34 @@ def checkpoint_dir(prefix: str, step: int) -> str:
 
 
 def commit_checkpoint(
-    storage: Storage, prefix: str, step: int, files: dict[str, bytes], meta: dict
+    storage: Storage, prefix: str, step: int, files: Mapping[str, bytes | Path], meta: dict
 ) -> str:
     """Write files, then the manifest, then LATEST.json; return the checkpoint's URI.
 
+    A file is its bytes, or the ``Path`` of a local file holding them: that one is hashed and
+    uploaded in chunks, so a large optimiser state is never a second copy in memory.
     Idempotent: committing the same step again overwrites it.
     """
     folder = checkpoint_dir(prefix, step)
+    entries = {}
     for name, data in files.items():
-        storage.write_bytes(f"{folder}/{name}", data)
-    entries = {
-        name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-        for name, data in files.items()
-    }
+        if isinstance(data, Path):
+            storage.write_file(f"{folder}/{name}", data)
+            entries[name] = {"size": data.stat().st_size, "sha256": _file_sha256(data)}
+        else:
+            storage.write_bytes(f"{folder}/{name}", data)
+            entries[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     storage.write_json(f"{folder}/{MANIFEST}", {"step": step, "files": entries, "meta": meta})
     storage.write_json(f"{prefix.strip('/')}/{POINTER}", {"step": step, "path": f"step-{step:08d}"})
     return storage.uri(folder)
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _is_complete(storage: Storage, prefix: str, step: int) -> bool:
@@ -288,27 +317,47 @@ def latest_checkpoint(storage: Storage, prefix: str) -> int | None:
     return next((s for s in _step_dirs(storage, prefix) if _is_complete(storage, prefix, s)), None)
 
 
-def load_checkpoint(storage: Storage, prefix: str, step: int) -> tuple[dict[str, bytes], dict]:
-    """Read a checkpoint's (files, meta), verifying each file's size and sha256."""
+def load_checkpoint(
+    storage: Storage, prefix: str, step: int, into: Path | None = None
+) -> tuple[dict[str, Any], dict]:
+    """Read a checkpoint's (files, meta), verifying each file's size and sha256. A file is its
+    bytes; with ``into`` (a local folder) it is downloaded there in chunks and is its ``Path``
+    (a large optimiser state is then never whole in memory as bytes)."""
     folder = checkpoint_dir(prefix, step)
     try:
         manifest = storage.read_json(f"{folder}/{MANIFEST}")
     except FileNotFoundError as error:
         raise CheckpointError(f"no manifest at {storage.uri(folder)}: incomplete") from error
-    files: dict[str, bytes] = {}
+    files: dict[str, Any] = {}
     for name, entry in manifest["files"].items():
+        rel = f"{folder}/{name}"
         try:
-            data = storage.read_bytes(f"{folder}/{name}")
+            if into is None:
+                data: bytes | Path = storage.read_bytes(rel)
+                size, digest = len(data), hashlib.sha256(data).hexdigest()
+            else:
+                data = _local_target(into, name, storage.uri(rel))
+                storage.read_file(rel, data)
+                size, digest = data.stat().st_size, _file_sha256(data)
         except FileNotFoundError as error:
             raise CheckpointError(f"{storage.uri(folder, name)} is missing") from error
-        digest = hashlib.sha256(data).hexdigest()
-        if len(data) != entry["size"] or digest != entry["sha256"]:
+        if size != entry["size"] or digest != entry["sha256"]:
             raise CheckpointError(
                 f"{storage.uri(folder, name)} does not match its manifest: "
-                f"size {len(data)} vs {entry['size']}, sha256 {digest} vs {entry['sha256']}"
+                f"size {size} vs {entry['size']}, sha256 {digest} vs {entry['sha256']}"
             )
         files[name] = data
     return files, manifest.get("meta", {})
+
+
+def _local_target(into: Path, name: str, uri: str) -> Path:
+    """Where the manifest's file ``name`` goes below ``into``: a name that would leave it (an
+    absolute path, ``..``) is a corrupt manifest, never a path to write."""
+    target = (into / name).resolve()
+    if not target.is_relative_to(into.resolve()) or target == into.resolve():
+        raise CheckpointError(f"{uri}: the manifest names a file outside its checkpoint")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return target
 
 
 def prune_checkpoints(storage: Storage, prefix: str, keep: int) -> list[int]:
@@ -329,12 +378,13 @@ def prune_checkpoints(storage: Storage, prefix: str, keep: int) -> list[int]:
 
 
 def load_latest_checkpoint(
-    storage: Storage, prefix: str
-) -> tuple[int, dict[str, bytes], dict] | None:
+    storage: Storage, prefix: str, into: Path | None = None
+) -> tuple[int, dict[str, Any], dict] | None:
     """``(step, files, meta)`` of the newest intact checkpoint under ``prefix``, or None if there
     is none at all. Every file is verified against its manifest's sha256; a corrupt checkpoint
     (a flipped bit, a truncated file) is skipped with a warning naming it, and the next older
-    complete one is tried. ``CheckpointError`` if checkpoints exist but none is intact."""
+    complete one is tried. ``CheckpointError`` if checkpoints exist but none is intact. Files
+    are bytes, or with ``into`` paths of their downloads there (``load_checkpoint``)."""
     latest = latest_checkpoint(storage, prefix)
     if latest is None:
         return None
@@ -344,7 +394,7 @@ def load_latest_checkpoint(
         if step != latest and not _is_complete(storage, prefix, step):
             continue
         try:
-            return (step, *load_checkpoint(storage, prefix, step))
+            return (step, *load_checkpoint(storage, prefix, step, into))
         except CheckpointError as error:
             log.warning("checkpoint step %d is corrupt, trying an older one: %s", step, error)
             corrupt.append(str(error))

@@ -145,6 +145,54 @@ def test_commit_then_latest_and_load(storage: Storage) -> None:
     assert load_checkpoint(storage, PREFIX, 1) == (checkpoint_files(1), {"reward": 0.1})
 
 
+def test_a_checkpoint_committed_from_local_files_reads_back_as_committed_from_bytes(
+    storage: Storage, tmp_path: Path
+) -> None:
+    """A trainer writes its large files (the optimiser's state) to a local folder and commits
+    their paths: the upload streams them, and the checkpoint is the one their bytes make."""
+    # 10 MB: more than one hash chunk (HASH_CHUNK), and a multipart upload on S3
+    files = checkpoint_files(3) | {"big.pt": bytes(range(256)) * 40_000}
+    local = tmp_path / "staged"
+    local.mkdir()
+    paths = {}
+    for name, data in files.items():
+        paths[name] = local / name.replace("/", "_")
+        paths[name].write_bytes(data)
+
+    commit_checkpoint(storage, PREFIX, 3, paths, {"reward": 0.5})
+    commit_checkpoint(storage, PREFIX, 4, files, {"reward": 0.5})
+
+    assert load_latest_checkpoint(storage, PREFIX) == (4, files, {"reward": 0.5})
+    assert load_checkpoint(storage, PREFIX, 3) == (files, {"reward": 0.5})
+    manifests = [storage.read_json(f"{checkpoint_dir(PREFIX, s)}/manifest.json") for s in (3, 4)]
+    assert manifests[0]["files"] == manifests[1]["files"]
+    assert storage.list(checkpoint_dir(PREFIX, 3)) == storage.list(checkpoint_dir(PREFIX, 4))
+
+
+def test_a_manifest_naming_a_file_outside_its_checkpoint_writes_nothing_there(
+    storage: Storage, tmp_path: Path
+) -> None:
+    """A checkpoint's manifest is data: loading into a local folder never follows a name out
+    of it, and the checkpoint reads as corrupt (the next older intact one is loaded)."""
+    commit_checkpoint(storage, PREFIX, 1, checkpoint_files(1), {})
+    folder = checkpoint_dir(PREFIX, 2)
+    storage.write_bytes(f"{folder}/x.pt", b"hostile")
+    entry = {"size": 7, "sha256": hashlib.sha256(b"hostile").hexdigest()}
+    manifest = {"step": 2, "files": {"../../escaped.pt": entry}, "meta": {}}
+    storage.write_json(f"{folder}/manifest.json", manifest)
+    storage.write_json(f"{PREFIX}/LATEST.json", {"step": 2, "path": "step-00000002"})
+    into = tmp_path / "a" / "b" / "into"
+    into.mkdir(parents=True)
+
+    with pytest.raises(CheckpointError, match="outside its checkpoint"):
+        load_checkpoint(storage, PREFIX, 2, into=into)
+    step, files, _ = load_latest_checkpoint(storage, PREFIX, into=into)
+
+    assert step == 1 and {n: p.read_bytes() for n, p in files.items()} == checkpoint_files(1)
+    assert all(p.is_relative_to(into) for p in files.values())
+    assert not (tmp_path / "a" / "escaped.pt").exists()
+
+
 def files_without_manifest(storage: Storage) -> None:
     """Crash after the files of step 2, before its manifest (and its pointer)."""
     for name, data in checkpoint_files(2).items():

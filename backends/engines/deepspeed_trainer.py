@@ -13,11 +13,11 @@ state), packed into one file and committed with the same protocol as ``TorchTrai
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import tarfile
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -113,30 +113,28 @@ class DeepSpeedTrainer(TorchTrainer):
         """Commit ``engine.save_checkpoint`` (weights + partitioned optimiser) plus the RNG."""
         from flowrl.infra.storage import Storage, commit_checkpoint
 
-        rng = io.BytesIO()
-        torch.save({"torch": torch.get_rng_state()}, rng)
-        with tempfile.TemporaryDirectory() as tmp:
-            self.engine.save_checkpoint(tmp, tag=CHECKPOINT_TAG)
-            packed = io.BytesIO()
-            with tarfile.open(fileobj=packed, mode="w") as tar:
-                tar.add(os.path.join(tmp, CHECKPOINT_TAG), arcname=CHECKPOINT_TAG)
-        files = {"deepspeed.tar": packed.getvalue(), "rng.pt": rng.getvalue()}
         meta = {**meta, "weights_version": self.version, "lora": self.spec.lora.enabled}
         meta |= {"zero_stage": self.zero_stage}
-        return commit_checkpoint(Storage(storage_url), prefix, step, files, meta)
+        with tempfile.TemporaryDirectory(prefix="flowrl-checkpoint-") as tmp:
+            self.engine.save_checkpoint(tmp, tag=CHECKPOINT_TAG)
+            files = {"deepspeed.tar": Path(tmp, "deepspeed.tar"), "rng.pt": Path(tmp, "rng.pt")}
+            with tarfile.open(files["deepspeed.tar"], mode="w") as tar:
+                tar.add(os.path.join(tmp, CHECKPOINT_TAG), arcname=CHECKPOINT_TAG)
+            torch.save({"torch": torch.get_rng_state()}, files["rng.pt"])
+            return commit_checkpoint(Storage(storage_url), prefix, step, files, meta)
 
     def load_state(self, storage_url: str, prefix: str) -> dict[str, Any] | None:
         from flowrl.infra.storage import Storage, load_latest_checkpoint
 
-        latest = load_latest_checkpoint(Storage(storage_url), prefix)
-        if latest is None:
-            return None
-        step, files, meta = latest
-        with tempfile.TemporaryDirectory() as tmp:
-            with tarfile.open(fileobj=io.BytesIO(files["deepspeed.tar"]), mode="r") as tar:
+        with tempfile.TemporaryDirectory(prefix="flowrl-checkpoint-") as tmp:
+            latest = load_latest_checkpoint(Storage(storage_url), prefix, into=Path(tmp, "files"))
+            if latest is None:
+                return None
+            step, files, meta = latest
+            with tarfile.open(files["deepspeed.tar"], mode="r") as tar:
                 tar.extractall(tmp, filter="data")
             self.engine.load_checkpoint(tmp, tag=CHECKPOINT_TAG)
-        torch.set_rng_state(torch.load(io.BytesIO(files["rng.pt"]), weights_only=True)["torch"])
+            torch.set_rng_state(torch.load(files["rng.pt"], weights_only=True)["torch"])
         self.version = int(meta.get("weights_version", step))
         return {**meta, "step": step}
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import io
 import tempfile
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
+from safetensors.torch import load_file as load_safetensors_file
+from safetensors.torch import save_file as save_safetensors_file
 
 from flowrl.backends.engines.algorithms import (
     KL_ESTIMATORS,
@@ -232,6 +232,8 @@ def _zero_loss(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
 
 
 FUSED_ADAMW_MIN_PARAMETERS = 10_000_000
+CHECKPOINT_FILES = ("weights.safetensors", "optimizer.pt", "rng.pt")
+"""A checkpoint's files (``TorchTrainer.save_state``)."""
 
 
 def _fused_adamw(params: list[torch.nn.Parameter], device: torch.device) -> bool | None:
@@ -482,36 +484,36 @@ class TorchTrainer:
         return self.version
 
     def save_state(self, storage_url: str, prefix: str, step: int, meta: dict[str, Any]) -> str:
-        """Commit a resumable checkpoint: trainable weights, optimiser, RNG, step, ``meta``."""
+        """Commit a resumable checkpoint: trainable weights, optimiser, RNG, step, ``meta``;
+        written to a local folder and streamed from there (no bytes copy of the state)."""
         from flowrl.infra.storage import Storage, commit_checkpoint
 
-        optim, rng = io.BytesIO(), io.BytesIO()
-        torch.save(self.optimizer.state_dict(), optim)
-        torch.save({"torch": torch.get_rng_state()}, rng)
-        files = {
-            "weights.safetensors": save_safetensors(
-                trainable_state(self.model, self.spec.lora.enabled, self.adapter)
-            ),
-            "optimizer.pt": optim.getvalue(),
-            "rng.pt": rng.getvalue(),
-        }
         meta = {**meta, "weights_version": self.version, "lora": self.spec.lora.enabled}
-        return commit_checkpoint(Storage(storage_url), prefix, step, files, meta)
+        with tempfile.TemporaryDirectory(prefix="flowrl-checkpoint-") as tmp:
+            files = {name: Path(tmp, name) for name in CHECKPOINT_FILES}
+            save_safetensors_file(
+                trainable_state(self.model, self.spec.lora.enabled, self.adapter),
+                files["weights.safetensors"],
+            )
+            torch.save(self.optimizer.state_dict(), files["optimizer.pt"])
+            torch.save({"torch": torch.get_rng_state()}, files["rng.pt"])
+            return commit_checkpoint(Storage(storage_url), prefix, step, files, meta)
 
     def load_state(self, storage_url: str, prefix: str) -> dict[str, Any] | None:
-        """Load the latest complete checkpoint under ``prefix``; its meta, or None if none."""
+        """Load the latest complete checkpoint under ``prefix``; its meta, or None if none. Its
+        files are downloaded to a local folder and read from there (``save_state``)."""
         from flowrl.infra.storage import Storage, load_latest_checkpoint
 
-        latest = load_latest_checkpoint(Storage(storage_url), prefix)
-        if latest is None:
-            return None
-        step, files, meta = latest
-        state = load_safetensors(files["weights.safetensors"])
-        load_trainable_state(self.model, state, self.spec.lora.enabled, self.adapter)
-        self.optimizer.load_state_dict(
-            torch.load(io.BytesIO(files["optimizer.pt"]), weights_only=True)
-        )
-        torch.set_rng_state(torch.load(io.BytesIO(files["rng.pt"]), weights_only=True)["torch"])
+        with tempfile.TemporaryDirectory(prefix="flowrl-checkpoint-") as tmp:
+            latest = load_latest_checkpoint(Storage(storage_url), prefix, into=Path(tmp))
+            if latest is None:
+                return None
+            step, files, meta = latest
+            state = load_safetensors_file(files["weights.safetensors"])
+            load_trainable_state(self.model, state, self.spec.lora.enabled, self.adapter)
+            del state
+            self.optimizer.load_state_dict(torch.load(files["optimizer.pt"], weights_only=True))
+            torch.set_rng_state(torch.load(files["rng.pt"], weights_only=True)["torch"])
         self.version = int(meta.get("weights_version", step))
         return {**meta, "step": step}
 
