@@ -117,10 +117,17 @@ class _StoppedStage(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        if calls_abandoned() and isinstance(exc, ray.exceptions.RayError | CallsAbandoned):
+        if calls_abandoned() and _worker_gone(exc):
             record.msg, record.args = f"{record.getMessage()} (its job is stopping)", ()
             record.exc_info = record.exc_text = None
         return True
+
+
+def _worker_gone(exc: BaseException | None) -> bool:
+    """A stage's failure because the job stopped a worker under it: a Ray error, an abandoned
+    call, or the lookup of a named worker already stopped (Ray's ``ValueError``)."""
+    lookup = isinstance(exc, ValueError) and str(exc).startswith("Failed to look up actor")
+    return lookup or isinstance(exc, ray.exceptions.RayError | CallsAbandoned)
 
 
 def _quiet_when_stopping() -> None:
