@@ -63,7 +63,6 @@ S3_CONFIG_DEFAULTS: dict[str, Any] = {
     "retries": {"max_attempts": 1, "mode": "standard"},
 }
 UPLOAD_SECONDS_PER_MIB = 1.0
-HASH_CHUNK = 8 * 2**20
 
 
 class Storage:
@@ -142,27 +141,25 @@ class Storage:
 
     def write_bytes(self, rel: str, data: bytes) -> None:
         """Write (or overwrite) one file; all or nothing is visible to readers."""
-        path = self._path(rel)
-        if not self.is_local:
-            timeout = self._timeout(len(data))
-            self._retry(f"write {rel}", lambda: self.fs.pipe_file(path, data, **timeout))
-            return
-        # Locally a file is visible while being written, an S3 object only once complete:
-        # write aside and rename so local readers also see all or nothing.
-        tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        self._retry(f"write {rel}", lambda: self.fs.pipe_file(tmp, data))
-        os.replace(tmp, path)
+        self._write(rel, len(data), lambda path, **kw: self.fs.pipe_file(path, data, **kw))
 
     def write_file(self, rel: str, local: str | Path) -> None:
         """Write (or overwrite) one file from the local file ``local``, streamed (never whole
         in memory); all or nothing is visible to readers, as with ``write_bytes``."""
+        size = os.path.getsize(local)
+        self._write(rel, size, lambda path, **kw: self.fs.put_file(str(local), path, **kw))
+
+    def _write(self, rel: str, nbytes: int, put: Callable[..., Any]) -> None:
+        """``put(path, **options)`` retried; ``nbytes`` sizes a remote upload's timeout."""
         path = self._path(rel)
         if not self.is_local:
-            timeout = self._timeout(os.path.getsize(local))
-            self._retry(f"write {rel}", lambda: self.fs.put_file(str(local), path, **timeout))
+            timeout = self._timeout(nbytes)
+            self._retry(f"write {rel}", lambda: put(path, **timeout))
             return
+        # Locally a file is visible while being written, an S3 object only once complete:
+        # write aside and rename so local readers also see all or nothing.
         tmp = f"{path}.tmp-{uuid.uuid4().hex}"
-        self._retry(f"write {rel}", lambda: self.fs.put_file(str(local), tmp))
+        self._retry(f"write {rel}", lambda: put(tmp))
         os.replace(tmp, path)
 
     def read_bytes(self, rel: str) -> bytes:
@@ -274,11 +271,8 @@ def commit_checkpoint(
 
 
 def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _is_complete(storage: Storage, prefix: str, step: int) -> bool:

@@ -150,7 +150,7 @@ def test_a_checkpoint_committed_from_local_files_reads_back_as_committed_from_by
 ) -> None:
     """A trainer writes its large files (the optimiser's state) to a local folder and commits
     their paths: the upload streams them, and the checkpoint is the one their bytes make."""
-    # 10 MB: more than one hash chunk (HASH_CHUNK), and a multipart upload on S3
+    # 10 MB: a multipart upload on S3, hashed from the file in chunks
     files = checkpoint_files(3) | {"big.pt": bytes(range(256)) * 40_000}
     local = tmp_path / "staged"
     local.mkdir()
