@@ -144,6 +144,18 @@ def test_workers_sample_sync_and_update_in_each_precision(
     assert trainer.forward_backward(data, "ppo_clip")["mismatch_kl"] < MISMATCH_KL_BOUND[dtype]
 
 
+@pytest.mark.parametrize("dtype,kernels", [("bfloat16", "eager"), ("float32", "sdpa")])
+def test_cpu_workers_in_bf16_run_eager_attention(model_dir, tmp_path, dtype, kernels):
+    """torch's fused CPU attention is slow in bf16 (docs/benchmarks/cpu_attention.md): a CPU
+    worker computing in bf16 runs eager attention, sampler and trainer (its sampler copy too);
+    in float32 transformers' default stays."""
+    spec = WorkerSpec(model_uri=model_dir, cache_dir=str(tmp_path), device="cpu", dtype=dtype)
+    trainer = TorchTrainer(spec)
+    sampler = HFSampler.following(spec, trainer) or HFSampler(spec)
+    for model in (trainer.model, sampler.model, HFSampler(spec).model):
+        assert model.config._attn_implementation == kernels
+
+
 def test_truncated_is_weights_the_bf16_samplers_tokens_by_the_trainers_own_logprobs(
     model_dir, prompts, tmp_path
 ):

@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 from flowrl.agent_loop.types import SampleResult
+from flowrl.backends.engines import torch_trainer
+from flowrl.backends.engines.passes import cpu_tokens_per_pass, split_passes
 from flowrl.backends.models.chat import HFChatFormat
 from flowrl.backends.models.model_folder import load_causal_lm, load_tokenizer
 from flowrl.backends.policy.actors import (
@@ -269,6 +271,98 @@ def test_rows_of_advantage_zero_skip_the_passes_and_leave_loss_and_gradients_as_
     metrics, grads = step(alike, skip=True)
     assert rows_run == [] and metrics == {"loss": 0.0, "zero_advantage_rows": 1.0}
     assert all(bool((g == 0).all()) for g in grads)
+
+
+@pytest.mark.parametrize(
+    "loss_fn,config",
+    [
+        ("ppo_clip", {"loss_agg": "token-mean"}),
+        ("cispo", {"loss_agg": "seq-mean-token-sum"}),
+        ("gspo", {}),
+        ("ppo_clip", {"kl_coef": 0.1}),
+        ("cross_entropy", {}),
+    ],
+    ids=["ppo-token-mean", "cispo-seq-sum", "gspo-its-default", "ppo-with-kl", "sft"],
+)
+def test_an_update_in_passes_has_the_loss_and_gradients_of_one_pass(
+    policy, prompts, monkeypatch, loss_fn, config
+):
+    """On a CPU a trainer runs a large batch in several forward and backward passes of at most
+    ``passes.cpu_tokens_per_pass`` padded tokens, so that its peak memory is a pass's activations:
+    the loss, every gradient and the token-mean metrics are the whole batch's, whatever the
+    loss's aggregation, with a KL term, with rows of advantage 0 left out, and for SFT."""
+    ref = policy()
+    grouped = [p for p in prompts for _ in range(4)]
+    data = as_data(grouped, sampler(ref).sample(grouped, MAX_NEW_TOKENS, 1.0, seed=3))
+    data = [  # the first group alike (advantage 0), the others mixed
+        Datum(d.tokens, d.loss_mask, 0.0 if i < 4 else (-1.0) ** i * (1 + i % 3), d.old_logprobs)
+        for i, d in enumerate(data)
+    ]
+    target = trainer(ref)._target
+    model = target.model
+    split = torch_trainer.split_passes
+    runs: list[list[Datum]] = []
+
+    def update(tokens: int) -> tuple[dict[str, float], list[torch.Tensor]]:
+        runs.clear()
+        with monkeypatch.context() as m:
+            m.setattr(torch_trainer, "cpu_tokens_per_pass", lambda model: tokens)
+            m.setattr(torch_trainer, "split_passes", lambda *a: runs.extend(split(*a)) or runs)
+            metrics = target.forward_backward(data, loss_fn, config)
+        grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        model.zero_grad(set_to_none=True)
+        return metrics, grads
+
+    whole, whole_grads = update(10**9)
+    assert len(runs) == 1
+    widest = max(len(d.tokens) for d in data)
+    passes, passes_grads = update(3 * widest)  # 3 rows of the widest a pass
+    assert len(runs) > 1 and all(len(r) * max(len(d.tokens) for d in r) <= 3 * widest for r in runs)
+    assert whole.keys() == passes.keys()
+    assert passes["loss"] == pytest.approx(whole["loss"], rel=1e-5) and whole["loss"] != 0.0
+    for a, b in zip(passes_grads, whole_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+    if config.get("loss_agg") == "token-mean":  # token means: the whole batch's
+        for key in whole:
+            assert passes[key] == pytest.approx(whole[key], rel=1e-4, abs=1e-7), key
+
+
+@pytest.mark.parametrize(
+    "hidden,layers,mlp,rows,width,passes",
+    [(128, 2, 256, 512, 11, 1), (256, 4, 688, 80, 41, 2), (768, 12, 2560, 32, 30, 1)],
+    ids=["tiny-one-pass", "3m-two-passes", "100m-one-pass"],
+)
+def test_a_cpu_update_splits_where_its_activations_outweigh_the_trainers_state(
+    hidden, layers, mlp, rows, width, passes
+):
+    """The benchmark's sizes as measured (``passes.PASS_MEMORY_CPU``): the default job's
+    update stays one pass (more passes only cost time), the ~3M one runs in two (its
+    activations are most of the worker's peak), the ~100M one stays one pass (its weights,
+    gradients and AdamW state outweigh its activations; each pass would read the weights
+    again)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=mlp,
+        vocab_size=104,
+    )
+    with torch.device("meta"):  # shapes only
+        model = LlamaForCausalLM(config)
+    tokens = cpu_tokens_per_pass(model)
+    assert len(split_passes([Datum([1] * width, [1] * width, 1.0)] * rows, tokens)) == passes
+
+
+def test_passes_hold_consecutive_rows_within_the_token_budget():
+    rows = [Datum([1] * n, [1] * n, 1.0) for n in (4, 6, 5, 20, 3, 3)]
+    passes = split_passes(rows, 12)
+    assert [r for p in passes for r in p] == rows  # every row once, in order
+    assert all(len(p) * max(len(d.tokens) for d in p) <= 12 or len(p) == 1 for p in passes)
+    assert [len(p) for p in passes] == [2, 1, 1, 2]  # 4+6 → 2×6; 5 alone; 20 alone; 3, 3
+    assert split_passes(rows, None) == [rows]
 
 
 def test_resume_from_checkpoint_reproduces_the_uninterrupted_run(policy, prompts, tmp_path):

@@ -78,6 +78,8 @@ class DeepSpeedTrainer(TorchTrainer):
     backward_without_rows = False
     """The engine's gradient hooks (ZeRO-3: its parameters gathered) expect the model's own
     forward pass: a batch of advantage-0 rows runs them all."""
+    passes_on_cpu = False
+    """One pass per update: the engine takes one backward per optimiser step."""
 
     def __init__(self, spec: WorkerSpec):
         import deepspeed

@@ -19,6 +19,7 @@ from flowrl.backends.models.model_folder import (
     load_tokenizer,
 )
 from flowrl.backends.models.model_uri import resolve_model_uri
+from flowrl.backends.models.precision import attention_kernels, compute_dtype
 from flowrl.backends.models.vlm import ImageInputs
 from flowrl.backends.types import WorkerSpec
 
@@ -50,14 +51,16 @@ def load_policy_model(
     local path."""
     torch.set_num_threads(spec.torch_threads)
     path = resolve_model_uri(spec.model_uri, spec.cache_dir)
-    model = load_causal_lm(path, dtype)
+    device = worker_device(spec)
+    attention = attention_kernels(compute_dtype(spec.dtype, device), device)
+    model = load_causal_lm(path, dtype, attention)
     if spec.lora.enabled:
         from peft import get_peft_model  # imported by LoRA workers only (~0.5 s at start)
 
         # Same seed in sampler and trainer: both start from identical adapter weights.
         torch.manual_seed(spec.seed)
         model = get_peft_model(model, lora_config(spec))
-    return model.to(worker_device(spec)), load_tokenizer(path), path
+    return model.to(device), load_tokenizer(path), path
 
 
 def lora_config(spec: WorkerSpec) -> LoraConfig:

@@ -42,6 +42,12 @@ from flowrl.backends.engines.hf_model import (
     worker_device,
     write_lora_export,
 )
+from flowrl.backends.engines.passes import (
+    cpu_tokens_per_pass,
+    merged_metrics,
+    pass_share,
+    split_passes,
+)
 from flowrl.backends.models.model_folder import (
     copy_model_files,
     load_causal_lm,
@@ -258,6 +264,8 @@ class TorchTrainer:
     backward_without_rows = True
     """A batch whose every row has advantage 0 gives zero gradients without a forward pass
     (``_zero_loss``); else its rows run as without the skip."""
+    passes_on_cpu = True
+    """On a CPU a large update runs in passes (``passes.cpu_tokens_per_pass``)."""
 
     def __init__(self, spec: WorkerSpec, loaded: Loaded | None = None, adapter: str = "default"):
         """``loaded`` and ``adapter``: as ``HFSampler``'s (the optimiser holds the parameters
@@ -344,7 +352,7 @@ class TorchTrainer:
         skip = options.pop("skip_zero_advantage", True) and loss_fn != "cross_entropy"
         share, skipped = 1.0, {}
         if skip and kl_coef == 0:  # a KL term is not 0 at advantage 0
-            agg = options.get("loss_agg") or _default_aggregation(loss_fn)
+            agg = _policy_aggregation(loss_fn, options)
             kept, share, skipped = _rows_with_a_gradient(data, agg)
             if not kept and self.backward_without_rows:
                 # zero gradients, not none: AdamW still steps (momentum, weight decay)
@@ -354,39 +362,20 @@ class TorchTrainer:
                 data = kept
             else:  # every row, as without the skip
                 share, skipped = 1.0, {"zero_advantage_rows": 0.0}
-        b = self._batch(data)
-        logprobs_B_T = self._loss_logprobs(data, b, temperature)
-        sampled_B_T = b["mask"] * b["has_old"].unsqueeze(-1)  # tokens with sampler log-probs
-        if loss_fn == "cross_entropy":
-            loss = -(logprobs_B_T * b["mask"]).sum() / b["mask"].sum().clamp(min=1)
-            metrics: dict[str, float] = {}
-        else:
-            old_B_T, weights_B_T, metrics = _off_policy_correction(
-                logprobs_B_T, b, sampled_B_T, correction
+        agg = "token-mean" if loss_fn == "cross_entropy" else _policy_aggregation(loss_fn, options)
+        on_cpu = self.passes_on_cpu and self.device.type == "cpu"
+        tokens = cpu_tokens_per_pass(self.model) if on_cpu else None
+        kl = (kl_coef, kl_estimator, options.get("loss_agg", "token-mean"))
+        total, parts = 0.0, []
+        for rows in split_passes(data, tokens):  # gradients accumulate: the whole batch's
+            part = pass_share(agg, rows, data)
+            scales = (share * part, pass_share(kl[2], rows, data))
+            loss, metrics = _one_pass(
+                self, rows, loss_fn, options, temperature, correction, kl, scales
             )
-            policy_loss = get_policy_loss(loss_fn)
-            loss, loss_metrics = policy_loss(
-                logprobs_B_T,
-                old_B_T,
-                b["advantages"],
-                b["mask"],
-                weights_B_T=weights_B_T,
-                **options,
-            )
-            if share != 1.0:  # rows of advantage 0 left out: the whole batch's loss
-                loss = loss * share
-            metrics |= loss_metrics | skipped
-        if kl_coef > 0:
-            ref_B_T = self._reference_logprobs(b, temperature)
-            kl_B_T = KL_ESTIMATORS[kl_estimator](logprobs_B_T, ref_B_T)
-            aggregate = LOSS_AGGREGATIONS[options.get("loss_agg", "token-mean")]
-            kl = aggregate(kl_B_T, b["mask"])
-            loss = loss + kl_coef * kl
-            metrics["kl_ref"] = float(kl.detach())
-        if bool(b["has_old"].any()):
-            metrics["mismatch_kl"] = float(mismatch_kl(logprobs_B_T, b["old"], sampled_B_T))
-        self._backward(loss)
-        return {"loss": float(loss.detach()), **metrics}
+            total += loss
+            parts.append((part, metrics))
+        return {"loss": total, **merged_metrics(parts), **skipped}
 
     def _backward(self, loss: torch.Tensor) -> None:
         """Backpropagate ``loss`` (the DeepSpeed trainer routes it through its engine)."""
@@ -548,3 +537,51 @@ class TorchTrainer:
             copy = get_peft_model(load_causal_lm(self.model_path), lora_config(self.spec))
         set_peft_model_state_dict(copy, trainable_state(self.model, True, self.adapter))
         return copy.merge_and_unload()
+
+
+def _policy_aggregation(loss_fn: str, options: dict[str, Any]) -> str:
+    return options.get("loss_agg") or _default_aggregation(loss_fn)
+
+
+def _one_pass(
+    trainer: TorchTrainer,
+    data: list[Datum],
+    loss_fn: str,
+    options: dict[str, Any],
+    temperature: float,
+    correction: dict[str, Any] | None,
+    kl: tuple[float, str, str],
+    scales: tuple[float, float],
+) -> tuple[float, dict[str, float]]:
+    """One forward and backward pass of ``TorchTrainer.forward_backward`` over ``data``: the
+    loss times ``scales[0]`` (its KL term, ``kl`` = coefficient, estimator, aggregation, times
+    ``scales[1]``), so that the passes' gradients sum to the whole batch's; the pass's loss and
+    metrics."""
+    kl_coef, kl_estimator, kl_agg = kl
+    b = trainer._batch(data)
+    logprobs_B_T = trainer._loss_logprobs(data, b, temperature)
+    sampled_B_T = b["mask"] * b["has_old"].unsqueeze(-1)  # tokens with sampler log-probs
+    if loss_fn == "cross_entropy":
+        loss = -(logprobs_B_T * b["mask"]).sum() / b["mask"].sum().clamp(min=1)
+        metrics: dict[str, float] = {}
+    else:
+        old_B_T, weights_B_T, metrics = _off_policy_correction(
+            logprobs_B_T, b, sampled_B_T, correction
+        )
+        policy_loss = get_policy_loss(loss_fn)
+        loss, loss_metrics = policy_loss(
+            logprobs_B_T, old_B_T, b["advantages"], b["mask"], weights_B_T=weights_B_T, **options
+        )
+        metrics |= loss_metrics
+    if scales[0] != 1.0:  # rows left out (advantage 0) or in other passes: their part
+        loss = loss * scales[0]
+    if kl_coef > 0:
+        ref_B_T = trainer._reference_logprobs(b, temperature)
+        kl_B_T = KL_ESTIMATORS[kl_estimator](logprobs_B_T, ref_B_T)
+        kl_term = LOSS_AGGREGATIONS[kl_agg](kl_B_T, b["mask"])
+        loss = loss + kl_coef * kl_term * scales[1]
+        metrics["kl_ref"] = float(kl_term.detach())
+    if bool(b["has_old"].any()):
+        metrics["mismatch_kl"] = float(mismatch_kl(logprobs_B_T, b["old"], sampled_B_T))
+    trainer._backward(loss)
+    return float(loss.detach()), metrics

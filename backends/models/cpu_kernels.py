@@ -12,7 +12,10 @@ BF16_MIN_PARAMETERS = 50_000_000
 Measured in whole jobs on a 2-core AMD EPYC (docs/benchmarks/field.md, 2026-11-30): bf16 made
 the step 31% shorter at 99M parameters (6.49 -> 4.47 s) and none at 3.19M or 0.34M, where
 decoding is bound by per-token overhead and bf16's casts add to it, while its sampler's copy
-and the kernels' memory cost 100-400 MB; the threshold lies between the measured sizes."""
+and the kernels' memory cost 100-400 MB; the threshold lies between the measured sizes. With
+eager attention in bf16 (``precision.attention_kernels``, 2026-11-30) a 3.19M job's step fell
+1.20 -> 0.92 s but its worker's peak PSS rose 1022 -> 1232 MB (glibc's heap), and TRL's step
+in bf16 fell too (1.58 -> 1.44 s): at that size the memory it costs outweighs the time."""
 
 _BF16_FLAGS = ("avx512_bf16", "amx_bf16")
 _BF16_ISAS = ("ALL", "BF16", "AMX", "AVX10")  # ONEDNN_MAX_CPU_ISA values that keep bf16 dots

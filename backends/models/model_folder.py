@@ -60,16 +60,20 @@ def is_vision_language(path: str) -> bool:
     return "vision_config" in config
 
 
-def load_causal_lm(path: str, dtype: torch.dtype | None = None) -> PreTrainedModel:
+def load_causal_lm(
+    path: str, dtype: torch.dtype | None = None, attention: str | None = None
+) -> PreTrainedModel:
     """Load a causal LM from a local HF folder, in eval mode (``dtype`` default float32); a
     vision-language folder (its config has a ``vision_config``, e.g. LLaVA) loads as
-    ``AutoModelForImageTextToText``."""
+    ``AutoModelForImageTextToText``. ``attention``: the attention implementation
+    (``backends.models.precision.attention_kernels``); None is transformers' default."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     dtype = torch.float32 if dtype is None else dtype
     auto = AutoModelForImageTextToText if is_vision_language(path) else AutoModelForCausalLM
-    return auto.from_pretrained(path, dtype=dtype).eval()
+    chosen = {} if attention is None else {"attn_implementation": attention}
+    return auto.from_pretrained(path, dtype=dtype, **chosen).eval()
 
 
 MAX_SAFETENSORS_HEADER = 64 << 20

@@ -44,3 +44,16 @@ def forward_autocast(
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def attention_kernels(dtype: torch.dtype, device: torch.device) -> str | None:
+    """The attention implementation of a worker that computes in ``dtype`` on ``device``:
+    ``eager`` (matmul, float32 softmax, matmul) on a CPU computing in bfloat16, where torch's
+    fused CPU attention (SDPA) is slow in bf16: with eager, sampling a batch took 0.66-0.88x
+    and a forward and backward pass 0.55-0.86x the time at the benchmark's sizes
+    (docs/benchmarks/cpu_attention.md), and a ~100M job's step 3.54 s against 4.14. Else None,
+    transformers' default (SDPA: on a CUDA GPU, and on a CPU in float32, where eager was no
+    faster: 0.97-1.00x)."""
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        return "eager"
+    return None
