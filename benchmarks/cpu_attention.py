@@ -22,7 +22,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from trl_compare import SIZES  # same folder
+from sampler_cache import step_prompts  # same folder
+from trl_compare import SIZES
 
 KERNELS = ("sdpa", "eager")
 DTYPES = ("float32", "bfloat16")
@@ -32,7 +33,6 @@ def measure(size: str, dtype: str, repeats: int, home: Path) -> dict[str, Any]:
     import torch
 
     from flowrl.backends.engines.hf_sampler import HFSampler
-    from flowrl.backends.models.chat import HFChatFormat
     from flowrl.backends.models.precision import forward_autocast
     from flowrl.backends.models.tiny_model import build_tiny_model
     from flowrl.backends.types import WorkerSpec
@@ -47,17 +47,7 @@ def measure(size: str, dtype: str, repeats: int, home: Path) -> dict[str, Any]:
     )
     sampler = HFSampler(spec)
     trained = HFSampler(spec.model_copy(update={"dtype": "float32"})).model.train()
-    chat = HFChatFormat(sampler.tokenizer)
-    task = cfg.env.task(cfg.seed)
-    env = task.make_env()
-    prompts = []
-    for row in task.train_source().next_batch(cfg.rollout.prompts_per_step):
-        env.reset(**row)
-        messages = [
-            {"role": "system", "content": env.get_system_prompt()},
-            {"role": "user", "content": env.get_initial_user_message()},
-        ]
-        prompts += [chat.encode_prompt(messages)] * cfg.rollout.group_size
+    prompts = step_prompts(cfg, sampler.tokenizer)
     samples = sampler.sample(prompts, cfg.rollout.max_new_tokens, 1.0, seed=0)
     rows = [p + s.tokens for p, s in zip(prompts, samples, strict=True)]
     width = max(len(r) for r in rows)

@@ -25,20 +25,12 @@ from typing import Any
 from trl_compare import SIZES  # same folder
 
 
-def measure(size: str, repeats: int, home: Path) -> dict[str, Any]:
-    import torch
-
-    from flowrl.backends.engines import hf_sampler
+def step_prompts(cfg: Any, tokenizer: Any) -> list[list[int]]:
+    """One RL step's sampler batch of job ``cfg``: its environment's first prompts (system and
+    user message, chat-encoded by ``tokenizer``), each ``rollout.group_size`` times."""
     from flowrl.backends.models.chat import HFChatFormat
-    from flowrl.backends.models.tiny_model import build_tiny_model
-    from flowrl.backends.types import WorkerSpec
-    from flowrl.tasks.schemas import load_job
 
-    torch.set_num_threads(1)
-    cfg = load_job(None, list(SIZES[size].overrides))
-    folder = build_tiny_model(cfg.model.tiny, str(home / size))
-    sampler = hf_sampler.HFSampler(WorkerSpec(model_uri=folder, cache_dir=str(home / "cache")))
-    chat = HFChatFormat(sampler.tokenizer)
+    chat = HFChatFormat(tokenizer)
     task = cfg.env.task(cfg.seed)
     env = task.make_env()
     prompts = []
@@ -49,6 +41,22 @@ def measure(size: str, repeats: int, home: Path) -> dict[str, Any]:
             {"role": "user", "content": env.get_initial_user_message()},
         ]
         prompts += [chat.encode_prompt(messages)] * cfg.rollout.group_size
+    return prompts
+
+
+def measure(size: str, repeats: int, home: Path) -> dict[str, Any]:
+    import torch
+
+    from flowrl.backends.engines import hf_sampler
+    from flowrl.backends.models.tiny_model import build_tiny_model
+    from flowrl.backends.types import WorkerSpec
+    from flowrl.tasks.schemas import load_job
+
+    torch.set_num_threads(1)
+    cfg = load_job(None, list(SIZES[size].overrides))
+    folder = build_tiny_model(cfg.model.tiny, str(home / size))
+    sampler = hf_sampler.HFSampler(WorkerSpec(model_uri=folder, cache_dir=str(home / "cache")))
+    prompts = step_prompts(cfg, sampler.tokenizer)
     width = max(len(p) for p in prompts)
     padding = 1 - sum(len(p) for p in prompts) / (width * len(prompts))
     generate, shared = sampler.model.generate, hf_sampler._shared_prompt_cache

@@ -21,7 +21,6 @@ from safetensors.torch import save_file as save_safetensors_file
 from flowrl.backends.engines.algorithms import (
     KL_ESTIMATORS,
     LOSS_AGGREGATIONS,
-    aggregation_denominator,
     get_advantage_estimator,
     get_policy_loss,
     kl_penalized_rewards,
@@ -201,11 +200,10 @@ def _rows_with_a_gradient(
     kept = [i for i, d in enumerate(data) if d.advantage != 0.0]
     if len(kept) == len(data):
         return data, 1.0, {"zero_advantage_rows": 0.0}
-    counts = [sum(d.loss_mask[1:]) for d in data]  # only a batch that leaves rows out
-    whole = aggregation_denominator(loss_agg, counts)
-    share = aggregation_denominator(loss_agg, [counts[i] for i in kept]) / whole if kept else 0.0
+    rows = [data[i] for i in kept]
+    share = pass_share(loss_agg, rows, data) if kept else 0.0
     left_out = {"zero_advantage_rows": 1.0 - len(kept) / len(data)}
-    return [data[i] for i in kept], share, left_out
+    return rows, share, left_out
 
 
 def _padded_batch(data: list[Datum], pad: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -351,8 +349,9 @@ class TorchTrainer:
             correction = {"name": "tis", "cap": tis_cap}
         skip = options.pop("skip_zero_advantage", True) and loss_fn != "cross_entropy"
         share, skipped = 1.0, {}
+        agg = "token-mean" if loss_fn == "cross_entropy" else None
+        agg = agg or options.get("loss_agg") or _default_aggregation(loss_fn)
         if skip and kl_coef == 0:  # a KL term is not 0 at advantage 0
-            agg = _policy_aggregation(loss_fn, options)
             kept, share, skipped = _rows_with_a_gradient(data, agg)
             if not kept and self.backward_without_rows:
                 # zero gradients, not none: AdamW still steps (momentum, weight decay)
@@ -362,7 +361,6 @@ class TorchTrainer:
                 data = kept
             else:  # every row, as without the skip
                 share, skipped = 1.0, {"zero_advantage_rows": 0.0}
-        agg = "token-mean" if loss_fn == "cross_entropy" else _policy_aggregation(loss_fn, options)
         on_cpu = self.passes_on_cpu and self.device.type == "cpu"
         tokens = cpu_tokens_per_pass(self.model) if on_cpu else None
         kl = (kl_coef, kl_estimator, options.get("loss_agg", "token-mean"))
@@ -537,10 +535,6 @@ class TorchTrainer:
             copy = get_peft_model(load_causal_lm(self.model_path), lora_config(self.spec))
         set_peft_model_state_dict(copy, trainable_state(self.model, True, self.adapter))
         return copy.merge_and_unload()
-
-
-def _policy_aggregation(loss_fn: str, options: dict[str, Any]) -> str:
-    return options.get("loss_agg") or _default_aggregation(loss_fn)
 
 
 def _one_pass(
