@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from flowrl.backends.engines.tinker import forward
+from flowrl.backends.engines.tinker import model as tinker_model
 from flowrl.backends.engines.tinker.model import TinkerModel
 from flowrl.backends.engines.tinker.types import Datum, TinkerInputError, tinker_lora
 
@@ -173,3 +175,125 @@ def test_top_k_cross_entropy_is_k_weighted_cross_entropies(base_dir: str) -> Non
     with pytest.raises(TinkerInputError, match="are for cross_entropy"):
         rl = {**data[0].inputs, "logprobs": np.zeros(6), "advantages": np.ones(6)}
         model.forward_backward([Datum(data[0].tokens, rl)], "ppo")
+
+
+def _idle(data: list[Datum], loss_fn: str, rows: tuple[int, ...]) -> list[Datum]:
+    """``data`` for ``loss_fn`` with ``rows`` left without a gradient: their advantages (or,
+    for cross_entropy, weights) all 0."""
+    key = "weights" if loss_fn == "cross_entropy" else "advantages"
+    if loss_fn == "cross_entropy":
+        weights = [np.linspace(0.5, 1.5, len(d.tokens)) for d in data]
+        data = _as_cross_entropy(data, weights)
+    return [
+        Datum(d.tokens, {**d.inputs, key: np.zeros(len(d.tokens), np.float32)}) if i in rows else d
+        for i, d in enumerate(data)
+    ]
+
+
+@pytest.mark.parametrize(
+    "loss_fn", ["ppo", "importance_sampling", "cispo", "gspo", "cross_entropy"]
+)
+def test_data_without_a_gradient_run_forward_only_to_the_same_step(
+    base_dir: str, loss_fn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Data whose advantages (cross_entropy: weights) are all 0 go through the model without
+    a graph for backward, the rest with one; log-probs, element-wise losses, ``loss:sum``,
+    gradients and the AdamW step after it are those of the whole batch in one pass (to float32
+    rounding: each pass pads to its own width), also
+    when a call holds no datum with a gradient, after steps that left AdamW moments."""
+    model, twin = _model(base_dir, "m"), _model(base_dir, "twin")
+    data = _idle(_with_sampler_logprobs(model, _data(0.0), shift=0.02), loss_fn, rows=(1, 3))
+    passes: list[tuple[int, bool]] = []
+    hook = model.model.register_forward_hook(
+        lambda _m, _a, kw, _o: passes.append((len(kw["input_ids"]), torch.is_grad_enabled())),
+        with_kwargs=True,
+    )
+    split = model.forward_backward(data, loss_fn, {})
+    hook.remove()
+    assert passes == [(2, True), (2, False)]
+
+    def in_one_pass(batch: list[Datum]) -> tinker_model.ForwardOutput:
+        with monkeypatch.context() as one_pass:
+            one_pass.setattr(tinker_model, "rows_without_gradient", lambda *_: set())
+            return twin.forward_backward(batch, loss_fn, {})
+
+    whole = in_one_pass(data)
+    assert np.isclose(split.metrics["loss:sum"], whole.metrics["loss:sum"], rtol=1e-5)
+    for got, want in zip(split.outputs, whole.outputs, strict=True):
+        assert np.allclose(got["logprobs"], want["logprobs"], atol=1e-6)
+        assert np.allclose(got["elementwise_loss"], want["elementwise_loss"], atol=1e-6)
+    got, want = _grads(model), _grads(twin)
+    assert torch.max(torch.abs(got - want)) <= 1e-5 * torch.max(torch.abs(want))
+    for trainer in (model, twin):
+        trainer.optim_step(1e-2)
+    idle = _idle(data, loss_fn, rows=(0, 1, 2, 3))
+    assert model.forward_backward(idle, loss_fn, {}).metrics["loss:sum"] == 0.0
+    in_one_pass(idle)
+    for trainer in (model, twin):
+        trainer.optim_step(1e-2)
+    for got, want in zip(model.params, twin.params, strict=True):
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _groups(loss_fn: str, top_k: int = 0) -> list[Datum]:
+    """Three groups of four data that repeat their group's prompt (of 5, 7 and 6 tokens) and
+    sample completions of 3-8 tokens, and a datum whose prompt none repeats; the loss reads
+    the completions only (advantages, or cross_entropy weights, 0 on the prompt). ``top_k``:
+    (n, K) targets and weights."""
+    rng = np.random.default_rng(3)
+    data = []
+    for p in (5, 7, 6):
+        prompt = rng.integers(5, 60, size=p).tolist()
+        for _ in range(4):
+            tokens = prompt + rng.integers(5, 60, size=int(rng.integers(3, 9))).tolist()
+            n = len(tokens)
+            on = (np.arange(n) >= p - 1).astype(np.float32)
+            if loss_fn == "cross_entropy":
+                targets = np.array(tokens[1:] + [7])
+                weights = on
+                if top_k:
+                    targets = np.stack([targets, *rng.integers(5, 60, size=(top_k - 1, n))], 1)
+                    weights = on[:, None] * rng.dirichlet(np.ones(top_k), size=n)
+                inputs = {"target_tokens": targets, "weights": weights.astype(np.float32)}
+            else:
+                inputs = {
+                    "target_tokens": np.array(tokens[1:] + [7]),
+                    "logprobs": np.full(n, -4.0, np.float32),
+                    "advantages": (on * rng.normal()).astype(np.float32),
+                }
+            data.append(Datum(tokens, inputs))
+    lone = data[0]  # a prompt no other datum repeats, amid the groups
+    data.insert(5, Datum([3, *lone.tokens[1:]], lone.inputs))
+    return data
+
+
+@pytest.mark.parametrize(
+    ("loss_fn", "top_k"), [("ppo", 0), ("cross_entropy", 0), ("cross_entropy", 3)]
+)
+def test_data_that_repeat_a_prompt_run_it_once_to_the_same_result(
+    base_dir: str, loss_fn: str, top_k: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A group's data that repeat its prompt run the prompt once (the tokens before the first
+    loss token, in one batch of the distinct prompts) and then each its own rest; a datum whose
+    prompt none repeats runs whole. Log-probs at every position, element-wise losses,
+    ``loss:sum`` and gradients are those of every datum run whole (to float32 rounding)."""
+    model, twin = _model(base_dir, "m"), _model(base_dir, "twin")
+    data = _groups(loss_fn, top_k)
+    shapes: list[tuple[int, int]] = []
+    hook = model.model.register_forward_hook(
+        lambda _m, _a, kw, _o: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    shared = model.forward_backward(data, loss_fn, {})
+    hook.remove()
+    # the 3 prompts but their last token, then the 12 data's rests, then the lone datum whole
+    assert shapes == [(3, 6), (12, 9), (1, len(data[5].tokens))]
+    with monkeypatch.context() as whole:
+        whole.setattr(forward, "_prompt_lengths", lambda *_: None)
+        each = twin.forward_backward(data, loss_fn, {})
+    assert np.isclose(shared.metrics["loss:sum"], each.metrics["loss:sum"], rtol=1e-5)
+    for got, want in zip(shared.outputs, each.outputs, strict=True):
+        assert got["logprobs"].shape == want["logprobs"].shape
+        assert np.allclose(got["logprobs"], want["logprobs"], atol=1e-5)
+        assert np.allclose(got["elementwise_loss"], want["elementwise_loss"], atol=1e-5)
+    got, want = _grads(model), _grads(twin)
+    assert torch.max(torch.abs(got - want)) <= 1e-5 * torch.max(torch.abs(want))

@@ -117,17 +117,25 @@ def distinct_rows(rows: list[tuple[Any, ...]]) -> tuple[list[int], list[int]]:
     return first, index
 
 
+def prefill(model: torch.nn.Module, ids_U_P: torch.Tensor, mask_U_P: torch.Tensor) -> Any:
+    """The model's output on the left-padded prefixes ``ids_U_P``, numbered from each row's
+    first real token as ``generate`` numbers them; its ``past_key_values`` a ``DynamicCache``."""
+    from transformers import DynamicCache
+
+    positions = mask_U_P.long().cumsum(-1) - 1
+    positions.masked_fill_(mask_U_P == 0, 1)
+    cache = DynamicCache(config=model.config)
+    return model(
+        input_ids=ids_U_P, attention_mask=mask_U_P, position_ids=positions, past_key_values=cache
+    )
+
+
 def prefilled_cache(
     model: torch.nn.Module, ids_U_P: torch.Tensor, mask_U_P: torch.Tensor, index: list[int]
 ) -> Any:
     """A ``DynamicCache`` of the left-padded distinct prefixes ``ids_U_P``, copied to the rows
     (row i holds prefix ``index[i]``); gradients flow back through the copies when enabled."""
-    from transformers import DynamicCache
-
-    positions = mask_U_P.long().cumsum(-1) - 1  # as generate numbers left-padded rows
-    positions.masked_fill_(mask_U_P == 0, 1)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=ids_U_P, attention_mask=mask_U_P, position_ids=positions, past_key_values=cache)
+    cache = prefill(model, ids_U_P, mask_U_P).past_key_values
     cache.reorder_cache(torch.tensor(index, device=ids_U_P.device))
     return cache
 

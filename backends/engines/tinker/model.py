@@ -51,12 +51,11 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from flowrl.backends.engines import parking
-from flowrl.backends.engines.algorithms import token_logprobs
-from flowrl.backends.engines.tinker.custom_loss import CustomLoss, run_custom
+from flowrl.backends.engines.tinker.custom_loss import CustomLoss
+from flowrl.backends.engines.tinker.forward import run_pass
+from flowrl.backends.engines.tinker.losses import rows_without_gradient
 from flowrl.backends.engines.tinker.scoring import score_prompt
 from flowrl.backends.engines.tinker.types import (
-    DEFAULT_CLIP,
-    DEFAULT_DRO_BETA,
     IMAGE_SLOT,
     Datum,
     ForwardOutput,
@@ -243,42 +242,29 @@ class TinkerModel:
         """Per-datum log-probs and element-wise losses; with ``forward_only`` False the loss's
         gradients are added to the adapter's (until ``optim_step``). ``loss_fn`` ``custom``
         runs ``custom`` (a client's uploaded loss) on each datum: no element-wise loss, its
-        metrics beside ``loss:sum``."""
+        metrics beside ``loss:sum``. Data whose loss is 0 whatever the weights
+        (``rows_without_gradient``: an advantage or weight of 0 on every token) are run
+        forward only, with no graph kept for a backward pass: the gradients are the same."""
         needs = None if custom is None else custom.inputs[1:]
-        check_batch(data, loss_fn, config or {}, self.vocab_size, custom_inputs=needs)
-        ids, mask, inputs = _batch(data, self.device)
-        context = torch.no_grad() if forward_only else contextlib.nullcontext()
-        metrics: dict[str, float] = {}
-        targets = inputs["target_tokens"].long()
-        attention = mask
-        if targets.ndim == 3:  # (top-k) distillation targets: K per position
-            mask = mask[..., None].expand_as(targets).contiguous()
-        with self.base.use(self), context:
-            extra = vision_kwargs(self.base.vision, ids, [d.images for d in data])
-            logits = self.model(input_ids=ids, attention_mask=attention, **extra).logits
-            if targets.ndim == 3:
-                logp = torch.log_softmax(logits.float(), dim=-1).gather(-1, targets) * mask
-            else:
-                logp = token_logprobs(logits, targets) * mask
-            elementwise = None
-            if custom is not None:
-                rows = [len(d.tokens) for d in data]
-                lps = [logp[i, :n] for i, n in enumerate(rows)]
-                values = [[inputs[k][i, :n] for k in custom.inputs[1:]] for i, n in enumerate(rows)]
-                loss, metrics = run_custom(custom, lps, values)
-            else:
-                elementwise = _elementwise_loss(loss_fn, logp, inputs, config or {}, mask) * mask
-                loss = elementwise.sum()
-            if not forward_only:
-                loss.backward()
-        outputs = []
-        for i, datum in enumerate(data):
-            n = len(datum.tokens)
-            out = {"logprobs": logp[i, :n].detach().cpu().numpy().astype(np.float32)}
-            if elementwise is not None:
-                out["elementwise_loss"] = elementwise[i, :n].detach().cpu().numpy()
-            outputs.append(out)
-        return ForwardOutput(outputs, {"loss:sum": float(loss.detach()), **metrics})
+        config = config or {}
+        check_batch(data, loss_fn, config, self.vocab_size, custom_inputs=needs)
+        idle = set() if forward_only or custom is not None else rows_without_gradient(data, loss_fn)
+        live = [i for i in range(len(data)) if i not in idle]
+        outputs: list[dict[str, np.ndarray]] = [{} for _ in data]
+        total, metrics = 0.0, {}
+        with self.base.use(self):
+            for rows, backward in ((live, not forward_only), (sorted(idle), False)):
+                if rows:
+                    part = [data[i] for i in rows]
+                    loss, done, metrics = run_pass(self, part, loss_fn, config, custom, backward)
+                    total += loss
+                    for i, out in zip(rows, done, strict=True):
+                        outputs[i] = out
+            if idle and not live:  # as a backward pass of a loss of 0 leaves them
+                for param in self.params:
+                    if param.grad is None:
+                        param.grad = torch.zeros_like(param)
+        return ForwardOutput(outputs, {"loss:sum": total, **metrics})
 
     def optim_step(
         self,
@@ -432,30 +418,6 @@ class TinkerModel:
             self.steps = 0
 
 
-def _batch(data: Sequence[Datum], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """The data right-padded: token ids, a mask of real positions, each loss input."""
-    width = max(len(d.tokens) for d in data)
-    ids = torch.zeros((len(data), width), dtype=torch.long)
-    mask = torch.zeros((len(data), width), dtype=torch.float32)
-    trailing = {k: v.shape[1:] for d in data for k, v in d.inputs.items()}
-    inputs = {
-        k: torch.zeros((len(data), width, *rest), dtype=torch.float32)
-        for k, rest in trailing.items()
-    }
-    inputs["target_tokens"] = inputs["target_tokens"].long()
-    for i, d in enumerate(data):
-        n = len(d.tokens)
-        ids[i, :n] = torch.tensor(d.tokens, dtype=torch.long)
-        mask[i, :n] = 1.0
-        for k, v in d.inputs.items():
-            inputs[k][i, :n] = torch.from_numpy(np.array(v)).to(inputs[k].dtype)
-    return (
-        ids.to(device),
-        mask.to(device),
-        {k: v.to(device) for k, v in inputs.items()},
-    )
-
-
 def _generate(
     tinker: TinkerModel,
     prompt: list[int],
@@ -466,13 +428,18 @@ def _generate(
     scoring: PromptScoring,
 ) -> SampleOutput:
     """``n`` samples of ``prompt`` from ``tinker``'s model under its current weights, each
-    stopping at a stop token or string, end of sequence, or ``params.max_tokens``."""
-    ids = torch.tensor([prompt] * n, dtype=torch.long, device=tinker.device)
-    extra = vision_kwargs(tinker.base.vision, ids, [list(images)] * n)
+    stopping at a stop token or string, end of sequence, or ``params.max_tokens``. A text
+    prompt is run once and its KV cache copied to the ``n`` rows; one with images runs in
+    every row (its multimodal positions are the model's own, per row)."""
+    rows = _prefill_rows(n, images)
+    ids = torch.tensor([prompt] * rows, dtype=torch.long, device=tinker.device)
+    extra = vision_kwargs(tinker.base.vision, ids, [list(images)] * rows)
     out = tinker.model(input_ids=ids, use_cache=True, **extra)
     past = out.past_key_values
     scored = score_prompt(out.logits[0, :-1].float(), ids[0].tolist(), scoring)
-    logits = out.logits[:, -1, :].float()
+    logits = out.logits[:, -1, :].float().expand(n, -1)
+    if rows < n:
+        past.batch_repeat_interleave(n)
     stops = set(params.stop_tokens) | set(tinker.eos_ids)  # end of sequence always stops
     tokens: list[list[int]] = [[] for _ in range(n)]
     logps: list[list[float]] = [[] for _ in range(n)]
@@ -497,6 +464,11 @@ def _generate(
     return SampleOutput(sequences, *scored)
 
 
+def _prefill_rows(n: int, images: Sequence[ImageInput]) -> int:
+    """The rows a request of ``n`` samples runs its prompt in."""
+    return n if images else 1
+
+
 def _hit_stop_string(tokenizer: Any, tokens: list[int], stop_strings: tuple[str, ...]) -> bool:
     if not stop_strings:
         return False
@@ -506,57 +478,6 @@ def _hit_stop_string(tokenizer: Any, tokens: list[int], stop_strings: tuple[str,
 
 def adapter_from_bytes(data: bytes) -> dict[str, torch.Tensor]:
     return load_safetensors(data)
-
-
-# --------------------------------------------------------------------------- math
-
-
-def _elementwise_loss(
-    loss_fn: str,
-    logp: torch.Tensor,
-    inputs: dict[str, torch.Tensor],
-    config: dict,
-    mask: torch.Tensor,
-) -> torch.Tensor:
-    if loss_fn == "cross_entropy":
-        weights = inputs.get("weights")
-        return -(weights if weights is not None else mask) * logp
-    adv = inputs["advantages"]
-    if loss_fn == "dro":
-        beta = config.get("beta", DEFAULT_DRO_BETA)
-        return -(logp * adv - 0.5 * beta * (logp - inputs["logprobs"]) ** 2)
-    if loss_fn == "gspo":
-        ratio = _sequence_ratio(logp, inputs, mask)
-    else:
-        ratio = torch.exp(logp - inputs["logprobs"])
-    if loss_fn == "importance_sampling":
-        return -ratio * adv
-    low = inputs.get(
-        "clip_low_threshold",
-        torch.full_like(logp, config.get("clip_low_threshold", DEFAULT_CLIP[0])),
-    )
-    high = inputs.get(
-        "clip_high_threshold",
-        torch.full_like(logp, config.get("clip_high_threshold", DEFAULT_CLIP[1])),
-    )
-    clipped = torch.minimum(torch.maximum(ratio, low), high)
-    if loss_fn in ("ppo", "gspo"):
-        return -torch.minimum(ratio * adv, clipped * adv)
-    return -(clipped.detach() * adv * logp)  # cispo
-
-
-def _sequence_ratio(
-    logp: torch.Tensor, inputs: dict[str, torch.Tensor], mask: torch.Tensor
-) -> torch.Tensor:
-    """GSPO-token's ratio of each token (rows are data): the value of its sequence's ratio
-    (the geometric mean of the token ratios over the row's ``sequence_ratio_mask``), the
-    gradient of its own log-prob."""
-    marks = inputs.get("sequence_ratio_mask")
-    in_ratio = ((marks != 0) if marks is not None else (inputs["advantages"] != 0)) & (mask != 0)
-    in_ratio = in_ratio.to(logp.dtype)
-    log_ratio = ((logp.detach() - inputs["logprobs"]) * in_ratio).sum(dim=1, keepdim=True)
-    log_ratio = log_ratio / in_ratio.sum(dim=1, keepdim=True).clamp(min=1.0)
-    return torch.exp(log_ratio + logp - logp.detach())
 
 
 def _pick(
