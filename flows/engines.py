@@ -22,6 +22,7 @@ from typing import Any
 import ray
 from ray._private import auto_init_hook
 
+from flowrl.infra import ray_auth
 from flowrl.infra.niceness import RAY_SYSTEM_CONFIG, yield_cpu_to_workers
 from flowrl.infra.servers import free_port
 from flowrl.infra.settings import RAY_NAMESPACE, get_settings
@@ -193,6 +194,7 @@ def connect_ray() -> bool:
     if s.ray_num_gpus is not None:
         init["num_gpus"] = s.ray_num_gpus
     init["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
+    ray_auth.ensure_token()
     with _keep_sigterm_handler():
         ray.init(address="local", **init)
     if s.ray_local_daemons == "needed":

@@ -529,7 +529,7 @@ class JobRun:
     def finish(
         self,
         result: Any,
-        plot: str = "reward_curve.png",
+        plot: str = "reward_curve.svg",
         table: tuple[str, ...] = (),
     ) -> None:
         """The job succeeded: draw its plotted columns into the MLflow run's ``plot`` artifact

@@ -28,7 +28,7 @@ from prefect.runtime import flow_run
 from pydantic import BaseModel
 from tqdm import tqdm
 
-from flowrl.infra import tracking
+from flowrl.infra.plot import Series, curve_svg
 from flowrl.infra.redact import redact_text
 
 STEP_LINES = 50
@@ -36,8 +36,8 @@ STEP_LINES = 50
 evaluation, and the last)."""
 CURVE_UPDATES = 10
 """The curve artifact is redrawn every ``max(1, steps // CURVE_UPDATES)`` steps and at each
-evaluation (~65 ms a drawing, and ~0.7 s for matplotlib's import at the first: done by a
-thread of the page's own, off the step's path)."""
+evaluation (an SVG, ``infra.plot``: ~1 ms a drawing; done by a thread of the page's own, off
+the step's path)."""
 TABLE_ROWS = 500
 """A longer job's results table keeps every k-th step so that about this many rows remain,
 and every evaluated step and the last."""
@@ -191,10 +191,10 @@ class RunPage:
 
     # ------------------------------------------------------------------------ curve
 
-    def curves(self) -> tracking.Series:
+    def curves(self) -> Series:
         """The plotted columns' values by step."""
         plotted = [c.name for c in self.columns if c.plot]
-        series: tracking.Series = {name: [] for name in plotted}
+        series: Series = {name: [] for name in plotted}
         for step in sorted(self.cells):
             for name in plotted:
                 if name in self.cells[step]:
@@ -219,9 +219,9 @@ class RunPage:
         for future in drawn:
             future.result()
 
-    def _send_curve(self, series: tracking.Series, caption: str) -> None:
-        png = base64.b64encode(tracking.curve_png(series)).decode("ascii")
-        markdown = f"# {self.job}\n\n![curve](data:image/png;base64,{png})\n\n{caption}"
+    def _send_curve(self, series: Series, caption: str) -> None:
+        svg = base64.b64encode(curve_svg(series).encode()).decode("ascii")
+        markdown = f"# {self.job}\n\n![curve](data:image/svg+xml;base64,{svg})\n\n{caption}"
         create_markdown_artifact(
             markdown, key=f"{self.key}-curve", description=f"{', '.join(series)} by step"
         )

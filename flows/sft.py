@@ -81,5 +81,5 @@ def sft_train(config: SFTJobConfig) -> SFTResult:
         result = SFTResult(
             config.name, registered, first.exact_match, last.exact_match, job.run_id, total
         )
-        job.finish(result, plot="sft_curve.png")
+        job.finish(result, plot="sft_curve.svg")
     return result

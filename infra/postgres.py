@@ -17,12 +17,14 @@ stack runs ``postgres`` in the foreground under its supervisor, like any other c
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import os
 import pwd
 import secrets
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -161,18 +163,30 @@ class Postgres:
         return [str(self.home), str(bin_dir().parent)]
 
 
+USER_LOCK = Path(tempfile.gettempdir()) / "flowrl-system-user.lock"
+"""Held while a process looks for and makes the server's system user: on a fresh machine two
+stacks starting at once each ran ``useradd``, and one's entry was lost to the other's write
+(its initdb then ran as a uid ``/etc/passwd`` no longer named: "could not look up effective
+user ID")."""
+
+
 def _ensure_system_user(name: str) -> None:
-    """Make the system user ``name`` unless it exists (two stacks starting at once: one makes
-    it, the other's ``useradd`` fails on the lock or the name, and finds it made)."""
+    """Make the system user ``name`` unless it exists, one process at a time (``USER_LOCK``);
+    a ``useradd`` that fails on ``/etc/passwd``'s own lock (another program's) is retried."""
     cmd = ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name]
-    for attempt in range(10):
-        try:
-            pwd.getpwnam(name)
-            return
-        except KeyError:
-            pass
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode == 0:
-            return
-        time.sleep(0.5 + attempt * 0.5)
-    raise RuntimeError(f"could not make the system user {name}: {done.stderr.strip()}")
+    fd = os.open(USER_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        for attempt in range(10):
+            try:
+                pwd.getpwnam(name)
+                return
+            except KeyError:
+                pass
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode == 0:
+                return
+            time.sleep(0.5 + attempt * 0.5)
+        raise RuntimeError(f"could not make the system user {name}: {done.stderr.strip()}")
+    finally:
+        os.close(fd)  # releases the lock

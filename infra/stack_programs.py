@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import sys
 import tempfile
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from pathlib import Path
 from flowrl.infra import objectstore
 from flowrl.infra.niceness import RAY_SYSTEM_CONFIG
 from flowrl.infra.postgres import Postgres
+from flowrl.infra.ray_auth import write_token_once
 from flowrl.infra.scheduler import HEARTBEAT_SECONDS
 from flowrl.infra.servers import TEST_CREDENTIALS, free_port
 from flowrl.infra.settings import get_settings
@@ -161,9 +161,7 @@ def _ray(out: Layout, home: Path, gpus: int, num_cpus: int) -> None:
     # Ray 2.60's token auth, on: the head and every driver read the stack's own token
     # (made once, mode 0600, beside the state; not the user's ~/.ray/auth_token).
     token = home / "ray-auth-token"
-    if not token.exists():
-        token.touch(mode=0o600)
-        token.write_text(secrets.token_hex(32))
+    write_token_once(token)
     ray_auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
     port = free_port()
     # A short temp dir: Ray's unix socket paths must stay under ~107 characters.

@@ -9,7 +9,7 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import mlflow
 from mlflow import MlflowClient
@@ -23,11 +23,9 @@ from mlflow.entities import (
     RunTag,
 )
 
+from flowrl.infra.plot import Series, curve_svg
 from flowrl.infra.redact import redact, redact_text
 from flowrl.infra.settings import get_settings
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
 
 NAMESPACE_TAG = "flowrl.namespace"
 """Tag of a run and a registered model: the namespace of the job that created it."""
@@ -292,53 +290,9 @@ def log_json(run_id: str, obj: Any, artifact_file: str) -> None:
     client().log_dict(run_id, obj, artifact_file)
 
 
-Series = dict[str, list[tuple[int, float]]]
-"""Curves to draw: name → ``[(step, value), ...]``."""
-
-SPARSE_POINTS = 60
-"""A series with at most this many points is drawn with a marker at each (a single point of
-a line is otherwise invisible)."""
-
-
-def curve_figure(
-    series: Series, xlabel: str = "step", size: tuple[float, float] = (7, 4)
-) -> Figure:
-    """A matplotlib figure of ``series`` against step (no pyplot: no global state, drawn by
-    Agg); every series with a point gets its legend entry and a visible mark (sparse ones a
-    marker at each point)."""
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=size)
-    ax = fig.subplots()
-    for name, points in series.items():
-        if points:
-            steps, values = zip(*sorted(points), strict=True)
-            marker = "o" if len(points) <= SPARSE_POINTS else None
-            ax.plot(steps, values, label=name, marker=marker, markersize=4)
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("value")
-    if ax.lines:
-        ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    return fig
-
-
-def curve_png(
-    series: Series, xlabel: str = "step", size: tuple[float, float] = (6, 3.5), dpi: int = 80
-) -> bytes:
-    """``series`` drawn as a small PNG (``curve_figure``), e.g. to embed in a Prefect markdown
-    artifact; 6 x 3.5 in at 80 dpi is ~20 KB."""
-    import io
-
-    buffer = io.BytesIO()
-    curve_figure(series, xlabel, size).savefig(buffer, format="png", dpi=dpi)
-    return buffer.getvalue()
-
-
 def log_curve(run_id: str, series: Series, artifact_file: str, xlabel: str = "step") -> None:
-    """``series`` drawn into a PNG artifact of the run (``curve_figure``)."""
-    client().log_figure(run_id, curve_figure(series, xlabel), artifact_file)
+    """``series`` drawn into an SVG artifact of the run (``plot.curve_svg``)."""
+    client().log_text(run_id, curve_svg(series, xlabel), artifact_file)
 
 
 def end_run(run_id: str, status: str = "FINISHED") -> None:

@@ -196,6 +196,9 @@ def ray_local() -> Iterator[None]:
     subprocesses with a Ray of their own."""
     import ray
 
+    from flowrl.infra.ray_auth import ensure_token
+
+    ensure_token()  # made once: a fresh machine's first clusters, started at once, share it
     # address="local": always a fresh private instance, never another user's running cluster.
     ray.init(
         address="local",

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from flowrl.infra.ray_auth import ensure_token
 from flowrl.infra.servers import free_port, wait_for_http
 from flowrl.infra.serving import BackgroundServer
 
@@ -51,6 +52,7 @@ def ray_head(env: dict[str, str], num_cpus: int = 8) -> Iterator[str]:
     as an operator starts one; workers get ``env`` (e.g. the ``PYTHONPATH`` holding a user's
     package, as an image would). Yields its address; stopped by PID (SIGTERM to the group,
     SIGKILL if it lingers)."""
+    ensure_token()  # made once: a fresh machine's first clusters, started at once, share it
     port = free_port()
     temp = tempfile.mkdtemp(prefix="flowrl-ray-")  # short: Ray's socket paths stay < 107 chars
     cmd = [str(Path(sys.executable).with_name("ray")), "start", "--head", "--block"]

@@ -10,6 +10,7 @@ import base64
 import json
 import re
 import statistics
+from xml.etree import ElementTree
 
 import pytest
 import torch
@@ -67,7 +68,7 @@ def test_mlflow_run_has_per_step_metrics_and_artifacts(trained):
         assert len(metric_history(result.mlflow_run_id, metric)) == STEPS, metric
     assert run.data.params["rollout.group_size"] == "8"
     artifacts = {a.path for a in client().list_artifacts(result.mlflow_run_id)}
-    assert {"reward_curve.png", "samples", "policy"} <= artifacts
+    assert {"reward_curve.svg", "samples", "policy"} <= artifacts
 
 
 def test_registered_version_loads_by_uri_and_reproduces_final_accuracy(trained, flowrl_home):
@@ -272,10 +273,12 @@ def test_the_curve_artifact_is_a_picture_updated_as_the_job_ran(trained):
     # every 8 steps (40 is also the evaluation's), and the final drawing
     assert len(versions) == STEPS // 8 + 1, len(versions)
     latest = max(versions, key=lambda a: a.created)
-    found = re.search(r"!\[curve\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", latest.data)
+    found = re.search(r"!\[curve\]\(data:image/svg\+xml;base64,([A-Za-z0-9+/=]+)\)", latest.data)
     assert found, latest.data[:200]
-    png = base64.b64decode(found.group(1))
-    assert png.startswith(b"\x89PNG") and len(png) < 60_000
+    svg = ElementTree.fromstring(base64.b64decode(found.group(1)))
+    legend = [t.text for t in svg.iter("{http://www.w3.org/2000/svg}text")]
+    assert {"reward/mean", "accuracy"} <= set(legend), legend  # a line and a legend entry each
+    assert len(list(svg.iter("{http://www.w3.org/2000/svg}polyline"))) >= 2
     assert "final: 80 steps" in latest.data
 
 

@@ -135,7 +135,7 @@ def test_the_curve_is_redrawn_every_tenth_of_the_steps_and_at_each_evaluation(ra
     curves = [a for a in artifacts if a.key == "run-page-curve"]
     # every 24 steps (10), the evaluations at 100 and 200 (2) and the final drawing (1)
     assert len(curves) == 13, len(curves)
-    assert all("](data:image/png;base64," in a.data for a in curves)
+    assert all("](data:image/svg+xml;base64," in a.data for a in curves)
 
 
 def test_a_continued_runs_table_holds_the_steps_of_its_earlier_submission(prefect_api, flowrl_home):

@@ -407,7 +407,7 @@ def test_run_page_shows_the_reward_curve(browser, ui_stack, ui_run, page):
     _completed(ui_run)
     page.goto(f"{ui_stack.prefect_ui.rstrip('/')}/v2/runs/flow-run/{ui_run.id}?tab=Artifacts")
     _open_artifact(page, f"{JOB}-curve")
-    image = page.locator("img[src^='data:image/png']")
+    image = page.locator("img[src^='data:image/svg+xml']")
     wait_for(page, image)
     assert image.first.evaluate("img => img.complete && img.naturalWidth > 0")
     screenshot(page, "prefect-curve")

@@ -45,6 +45,7 @@ from flowrl.backends.policy.resources import (
     shared_worker_name,
 )
 from flowrl.backends.types import ModelTenancy, Precision, WorkerSpec
+from flowrl.infra import ray_auth
 from flowrl.infra.settings import RAY_NAMESPACE, get_settings
 
 if TYPE_CHECKING:
@@ -394,6 +395,7 @@ class VLLMEngines(Placement):
             if get_settings().ray_address is not None:
                 connect_service_ray()
             else:
+                ray_auth.ensure_token()
                 ray.init(
                     address="local",
                     include_dashboard=False,
