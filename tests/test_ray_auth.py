@@ -3,32 +3,27 @@ at once on a fresh machine all use the one token (``infra.ray_auth``)."""
 
 from __future__ import annotations
 
-import multiprocessing
 import stat
-from pathlib import Path
 
 import pytest
+from races import race
 
 from flowrl.infra import ray_auth
 
-
-def _make(path: str, start: multiprocessing.synchronize.Event) -> None:
-    start.wait()
-    ray_auth.write_token_once(Path(path))
+MAKE = """
+from pathlib import Path
+from flowrl.infra.ray_auth import write_token_once
+path = Path(sys.argv[3])
+write_token_once(path)
+print(path.read_text())
+"""
 
 
 def test_processes_racing_to_make_the_token_all_read_one(tmp_path):
     path = tmp_path / ".ray" / "auth_token"
-    context = multiprocessing.get_context("fork")
-    start = context.Event()
-    racers = [context.Process(target=_make, args=(str(path), start)) for _ in range(8)]
-    for racer in racers:
-        racer.start()
-    start.set()
-    for racer in racers:
-        racer.join(30)
-    assert [r.exitcode for r in racers] == [0] * 8
+    read = race(MAKE, 8, tmp_path / "race", (str(path),))
     token = path.read_text()
+    assert {out.strip() for out in read} == {token}  # every racer read the one token kept
     assert len(token) == 64 and stat.S_IMODE(path.stat().st_mode) == 0o600
     assert sorted(p.name for p in path.parent.iterdir()) == ["auth_token"]  # no drafts left
     ray_auth.write_token_once(path)
