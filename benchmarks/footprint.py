@@ -45,7 +45,7 @@ def kind(proc: psutil.Process) -> str:
         # after its name too (ray::job-sampler:Actor).
         return "ray::" + name[5:].split(".")[0].rsplit(":", 1)[-1]
     for pattern, label in (
-        (r"flowrl train", "flowrl train (driver: flow, Prefect client)"),
+        (r"flowrl train", "flowrl train (driver: flow, Prefect client and temporary API)"),
         (r"trl_compare\.py .*--side flowrl", "driver (flow, Prefect client)"),
         (r"trl_compare\.py .*--side trl", "TRL (GRPOTrainer)"),
         (r"uvicorn .*prefect", "Prefect API (ephemeral)"),

@@ -110,13 +110,18 @@ def job_config(size: str, overrides: list[str]) -> Any:
 
 
 def flowrl_side(size: str, steps: int, ahead: int, extra: list[str]) -> dict[str, Any]:
-    """The ``rl_train`` flow in this process; stage times from its MLflow metrics."""
+    """The ``rl_train`` flow in this process, its engines booted as ``flowrl train`` boots
+    them (``flows.engines.start_engines``: Prefect's temporary API in a thread of this
+    process, Ray beside it, while the flow imports); stage times from its MLflow metrics."""
     started = time.perf_counter()
-    from prefect.client.orchestration import get_client
+    from flowrl.infra.settings import get_settings
 
+    get_settings().apply_to_environment()
+    from flowrl.flows.engines import start_engines
+
+    engines_ready = start_engines()
     from flowrl.flows.rl import rl_train
     from flowrl.infra import tracking
-    from flowrl.infra.settings import get_settings
     from flowrl.tasks.model import prepare_model, warmup
     from flowrl.tasks.types import JobContext
 
@@ -132,10 +137,8 @@ def flowrl_side(size: str, steps: int, ahead: int, extra: list[str]) -> dict[str
         ],
     )
     s = get_settings()
-    s.apply_to_environment()
     imported = time.perf_counter()
-    with get_client(sync_client=True) as client:  # starts the ephemeral Prefect API
-        client.hello()
+    engines_ready()
     api_up = time.perf_counter()
     state = rl_train(config, return_state=True)
     flow_s = time.perf_counter() - api_up
@@ -173,7 +176,7 @@ def flowrl_side(size: str, steps: int, ahead: int, extra: list[str]) -> dict[str
         "accuracy_end": result.accuracy_end,
         "one_off": {
             "imports": imported - started,
-            "Prefect API start": api_up - imported,
+            "engines up (Prefect API, Ray, MLflow store)": api_up - imported,
             **start_up,
             "rest of the flow outside the steps (final eval, register, finish)": flow_s
             - sum(times["step"])

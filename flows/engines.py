@@ -6,17 +6,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import importlib.util
 import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from pathlib import Path
 from typing import Any
 
 import ray
@@ -69,72 +66,106 @@ def start_engines() -> Callable[[], None]:
     def ready() -> None:
         from flowrl.infra import tracking
 
-        tracking.client()  # the MLflow store opens while the servers finish booting
-        if api is not None:
+        if api is not None:  # first: its migrations and MLflow's share alembic's module state
             api.adopt()
+        tracking.client()  # the MLflow store opens while Ray finishes booting
         ray_started.result()  # raised again where the runner takes it
 
     return ready
 
 
 class _TemporaryPrefectAPI:
-    """Prefect's temporary API server (``prefect.server.api.server.SubprocessASGIServer``),
-    its process started at once, before this process has imported Prefect's server modules
-    (~2 s), with the command line and environment Prefect gives it; ``adopt`` waits until it
-    answers and hands it to Prefect, whose client then uses it (and stops it at exit) as the
-    one it would have started."""
+    """Prefect's temporary API: the app Prefect's own temporary server runs
+    (``create_app(ephemeral=True, final=True)``: the API without its UI, the services an
+    ephemeral server runs), served by uvicorn from a daemon thread of this process, begun at
+    once so that it boots while the command imports the flow. ``adopt`` waits until it
+    answers and hands it to Prefect, whose client then uses it as the one it would have
+    started (``SubprocessASGIServer``: a process of its own, which held ~180 MB; served here it
+    adds ~20-30 MB to this process, whose Prefect, SQLAlchemy and alembic it shares:
+    docs/benchmarks/footprint.md). At exit it gets a second to stop; what it served is in its
+    database by then (the flow's and task runs' final states)."""
+
+    START_ATTEMPTS = 3
+    """Ports tried (one taken between ``free_port`` and uvicorn's bind is tried again)."""
 
     def __init__(self) -> None:
-        self.port, self.process = self._launch()
+        self._server: Any = None
+        self._failed: BaseException | None = None
+        self._closed = threading.Event()
+        self.port, self._thread = self._launch()
         atexit.register(self._stop)  # a command that ends before ``adopt`` leaves no server
 
-    def _stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-
-    def _launch(self) -> tuple[int, subprocess.Popen]:
-        spec = importlib.util.find_spec("prefect")
-        assert spec is not None and spec.origin is not None
+    def _launch(self) -> tuple[int, threading.Thread]:
         port = free_port()
-        command = [sys.executable, "-m", "uvicorn", "--app-dir", str(Path(spec.origin).parents[1])]
-        command += ["--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1"]
-        command += ["--port", str(port), "--log-level", "error", "--lifespan", "on"]
-        env = os.environ | {
-            "PREFECT_UI_ENABLED": "0",
-            "PREFECT__SERVER_EPHEMERAL": "1",
-            "PREFECT__SERVER_FINAL": "1",
-        }
-        return port, subprocess.Popen(command, env=env)
+        thread = threading.Thread(target=self._serve, args=(port,), name="prefect-api", daemon=True)
+        thread.start()
+        return port, thread
+
+    def _serve(self, port: int) -> None:
+        try:
+            import uvicorn
+            from prefect.server.api.server import create_app
+
+            app = create_app(ephemeral=True, final=True)
+            config = uvicorn.Config(
+                app, host="127.0.0.1", port=port, log_level="error", lifespan="on"
+            )
+            self._server = uvicorn.Server(config)
+            if not self._closed.is_set():
+                self._server.run()
+        except SystemExit:  # uvicorn's answer to a port taken meanwhile: ``adopt`` retries
+            pass
+        except BaseException as err:  # noqa: BLE001 - raised again by ``adopt``
+            self._failed = err
+
+    def _stop(self) -> None:
+        self._closed.set()  # still importing: it will not serve
+        if self._server is not None and self._thread.is_alive():
+            self._server.should_exit = True
+            self._thread.join(1)
+
+    # What Prefect calls on the server process it would have started (``SubprocessASGIServer``).
+    def poll(self) -> int | None:
+        return None if self._thread.is_alive() else 0
+
+    def terminate(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise subprocess.TimeoutExpired("prefect-api", timeout or 0.0)
+        return 0
+
+    def kill(self) -> None:
+        self.terminate()  # a thread cannot be killed: it is a daemon, it ends with the process
 
     def adopt(self, timeout_s: float = 120.0) -> None:
-        import httpx
         from prefect.server.api.server import SubprocessASGIServer
         from prefect.settings import PREFECT_API_URL
 
         if PREFECT_API_URL.value():  # a Prefect profile names an API: the client uses that one
             self._stop()
             return
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.process.poll() == 3:  # uvicorn: the port was taken meanwhile
-                self.port, self.process = self._launch()
-            elif self.process.poll() is not None:
-                raise RuntimeError(f"Prefect's temporary API exited with {self.process.poll()}")
-            with contextlib.suppress(httpx.HTTPError):
-                url = f"http://127.0.0.1:{self.port}/api/health"
-                if httpx.get(url, timeout=2).status_code == 200:
-                    break
+        deadline, attempts = time.monotonic() + timeout_s, 1
+        while not (self._server is not None and self._server.started):
+            if self._failed is not None:
+                raise RuntimeError("Prefect's temporary API did not start") from self._failed
+            if not self._thread.is_alive():  # the port was taken meanwhile
+                if attempts == self.START_ATTEMPTS:
+                    raise RuntimeError(
+                        f"Prefect's temporary API did not start ({attempts} ports tried)"
+                    )
+                attempts += 1
+                self._server = None
+                self.port, self._thread = self._launch()
             if time.monotonic() > deadline:
-                self.process.kill()
+                self._stop()
                 raise TimeoutError(f"Prefect's temporary API did not answer in {timeout_s} s")
-            time.sleep(0.1)
+            time.sleep(0.05)
         server = SubprocessASGIServer()
-        server.port, server.server_process, server.running = self.port, self.process, True
-        atexit.register(server.stop)
+        server.port, server.server_process, server.running = self.port, self, True
 
 
 def _start_ray(started: Future[bool]) -> None:
