@@ -46,7 +46,7 @@ def kind(proc: psutil.Process) -> str:
         return "ray::" + name[5:].split(".")[0].rsplit(":", 1)[-1]
     for pattern, label in (
         (r"flowrl train", "flowrl train (driver: flow, Prefect client and temporary API)"),
-        (r"trl_compare\.py .*--side flowrl", "driver (flow, Prefect client)"),
+        (r"trl_compare\.py .*--side flowrl", "driver (flow, Prefect client and temporary API)"),
         (r"trl_compare\.py .*--side trl", "TRL (GRPOTrainer)"),
         (r"uvicorn .*prefect", "Prefect API (ephemeral)"),
         (r"prefect\.engine|flow-run execute", "flow-run process (flow, Prefect client)"),
@@ -156,7 +156,7 @@ def report(runs: list[tuple[float, float, TreePeak]], steps: int, loads: list[st
         f"{ray.__version__}, mlflow {mlflow.__version__}",
         "- job: `flowrl train configs/arithmetic.yaml` (64 prompts × 8 samples, on-policy) "
         f"with {steps} RL steps, warm-up cached, a fresh job name per run; embedded engines "
-        "(ephemeral Prefect API, local Ray, MLflow on SQLite)",
+        "(Prefect's temporary API in the job's process, local Ray, MLflow on SQLite)",
         "",
         "| figure | median | min | max |",
         "|---|--:|--:|--:|",
