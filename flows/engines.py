@@ -89,13 +89,13 @@ class _TemporaryPrefectAPI:
     """Ports tried (one taken between ``free_port`` and uvicorn's bind is tried again)."""
 
     def __init__(self) -> None:
-        self._server: Any = None
         self._failed: BaseException | None = None
         self._closed = threading.Event()
         self.port, self._thread = self._launch()
         atexit.register(self._stop)  # a command that ends before ``adopt`` leaves no server
 
     def _launch(self) -> tuple[int, threading.Thread]:
+        self._server: Any = None  # uvicorn's, once the thread has built the app
         port = free_port()
         thread = threading.Thread(target=self._serve, args=(port,), name="prefect-api", daemon=True)
         thread.start()
@@ -121,7 +121,7 @@ class _TemporaryPrefectAPI:
     def _stop(self) -> None:
         self._closed.set()  # still importing: it will not serve
         if self._server is not None and self._thread.is_alive():
-            self._server.should_exit = True
+            self.terminate()
             self._thread.join(1)
 
     # What Prefect calls on the server process it would have started (``SubprocessASGIServer``).
@@ -158,7 +158,6 @@ class _TemporaryPrefectAPI:
                         f"Prefect's temporary API did not start ({attempts} ports tried)"
                     )
                 attempts += 1
-                self._server = None
                 self.port, self._thread = self._launch()
             if time.monotonic() > deadline:
                 self._stop()
