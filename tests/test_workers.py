@@ -509,6 +509,9 @@ def test_a_colocated_policy_is_one_process_that_samples_and_trains_as_two(
         _, pid = ray.get(handle.where.remote())
         environ = Path(f"/proc/{pid}/environ").read_text().split("\0")
         assert "OMP_NUM_THREADS=2" in environ  # the larger of the two roles' threads
+        # Its roles take turns on its cores: OpenMP's threads spin a moment between kernels
+        # (its default) instead of sleeping at once as a worker beside others' threads does.
+        assert not any(v.startswith("OMP_WAIT_POLICY=") for v in environ)
         got = [sampler(r).sample(prompts, MAX_NEW_TOKENS, 1.0, seed=0) for r in (ref, apart)]
         assert [x.tokens for x in got[0]] == [x.tokens for x in got[1]]
         data = as_data(prompts, got[1], advantage=1.0)

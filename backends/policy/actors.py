@@ -302,7 +302,11 @@ class ColocatedPolicy(PolicyRef):
         threads = max(s.torch_threads for s in specs.values())
         handle = (
             ray.remote(ColocatedWorker)
-            .options(name=ref.trainer, runtime_env={"env_vars": worker_env(threads)}, **options)
+            .options(
+                name=ref.trainer,
+                runtime_env={"env_vars": worker_env(threads, shares_cores=False)},
+                **options,
+            )
             .remote(paths, specs)
         )
         ray.get(handle.__ray_ready__.remote())
