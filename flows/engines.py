@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -21,7 +22,6 @@ from ray._private import auto_init_hook
 
 from flowrl.infra import ray_auth
 from flowrl.infra.niceness import RAY_SYSTEM_CONFIG, yield_cpu_to_workers
-from flowrl.infra.servers import free_port
 from flowrl.infra.settings import RAY_NAMESPACE, get_settings
 
 LOCAL_RAY_SYSTEM_CONFIG = RAY_SYSTEM_CONFIG
@@ -83,40 +83,39 @@ class _TemporaryPrefectAPI:
     started (``SubprocessASGIServer``: a process of its own, which held ~180 MB; served here it
     adds ~20-30 MB to this process, whose Prefect, SQLAlchemy and alembic it shares:
     docs/benchmarks/footprint.md). At exit it gets a second to stop; what it served is in its
-    database by then (the flow's and task runs' final states)."""
+    database by then (the flow's and task runs' final states).
 
-    START_ATTEMPTS = 3
-    """Ports tried (one taken between ``free_port`` and uvicorn's bind is tried again)."""
+    Its port is bound here, before the thread starts, and handed to uvicorn as a socket: no
+    other process can take it between the choice and the bind. (Serving again after a taken
+    port, as this did before, served Prefect's cached app a second time, whose lifespan then
+    starts none of the services: not the task-run recorder, not the automations' triggers; a
+    benchmark's flow run was left with no task run recorded.)"""
 
     def __init__(self) -> None:
         self._failed: BaseException | None = None
         self._closed = threading.Event()
-        self.port, self._thread = self._launch()
+        self._server: Any = None  # uvicorn's, once the thread has built the app
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.bind(("127.0.0.1", 0))
+        self.port = self._socket.getsockname()[1]
+        self._thread = threading.Thread(target=self._serve, name="prefect-api", daemon=True)
+        self._thread.start()
         atexit.register(self._stop)  # a command that ends before ``adopt`` leaves no server
 
-    def _launch(self) -> tuple[int, threading.Thread]:
-        self._server: Any = None  # uvicorn's, once the thread has built the app
-        port = free_port()
-        thread = threading.Thread(target=self._serve, args=(port,), name="prefect-api", daemon=True)
-        thread.start()
-        return port, thread
-
-    def _serve(self, port: int) -> None:
+    def _serve(self) -> None:
         try:
             import uvicorn
             from prefect.server.api.server import create_app
 
             app = create_app(ephemeral=True, final=True)
-            config = uvicorn.Config(
-                app, host="127.0.0.1", port=port, log_level="error", lifespan="on"
-            )
+            config = uvicorn.Config(app, log_level="error", lifespan="on")
             self._server = uvicorn.Server(config)
             if not self._closed.is_set():
-                self._server.run()
-        except SystemExit:  # uvicorn's answer to a port taken meanwhile: ``adopt`` retries
-            pass
+                self._server.run(sockets=[self._socket])
         except BaseException as err:  # noqa: BLE001 - raised again by ``adopt``
             self._failed = err
+        finally:
+            self._socket.close()
 
     def _stop(self) -> None:
         self._closed.set()  # still importing: it will not serve
@@ -148,17 +147,10 @@ class _TemporaryPrefectAPI:
         if PREFECT_API_URL.value():  # a Prefect profile names an API: the client uses that one
             self._stop()
             return
-        deadline, attempts = time.monotonic() + timeout_s, 1
+        deadline = time.monotonic() + timeout_s
         while not (self._server is not None and self._server.started):
-            if self._failed is not None:
+            if self._failed is not None or not self._thread.is_alive():
                 raise RuntimeError("Prefect's temporary API did not start") from self._failed
-            if not self._thread.is_alive():  # the port was taken meanwhile
-                if attempts == self.START_ATTEMPTS:
-                    raise RuntimeError(
-                        f"Prefect's temporary API did not start ({attempts} ports tried)"
-                    )
-                attempts += 1
-                self.port, self._thread = self._launch()
             if time.monotonic() > deadline:
                 self._stop()
                 raise TimeoutError(f"Prefect's temporary API did not answer in {timeout_s} s")

@@ -307,3 +307,55 @@ def _niceness_by_kind(pid: int) -> dict[str, set[int]]:
                 kind = "Ray autoscaler monitor"
             kinds.setdefault(kind, set()).add(child.nice())
     return kinds
+
+
+TEMPORARY_API_SCRIPT = """
+import socket, time
+from flowrl.flows.engines import _TemporaryPrefectAPI
+api = _TemporaryPrefectAPI()
+probe = socket.socket()
+try:
+    probe.bind(("127.0.0.1", api.port))
+    print("port free before the API served it")
+except OSError:
+    pass
+api.adopt()
+from prefect import flow, task
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+@task
+def one():
+    return 1
+
+@flow
+def two():
+    return one() + one()
+
+state = two(return_state=True)
+assert state.result() == 2
+only = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+deadline = time.monotonic() + 30
+with get_client(sync_client=True) as client:
+    while len(client.read_task_runs(flow_run_filter=only)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    print("task runs recorded:", len(client.read_task_runs(flow_run_filter=only)))
+"""
+
+
+def test_the_temporary_prefect_api_holds_its_port_and_records_task_runs(tmp_path):
+    """The API ``flowrl train`` serves from its own process holds its port from the moment it
+    is chosen (no other process can take it before it serves: one that did made it serve
+    Prefect's cached app again, with no services), and its services record a flow's task
+    runs, as the UI shows them."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env |= {"PREFECT_HOME": str(tmp_path / "prefect-home")}
+    out = subprocess.run(
+        [sys.executable, "-c", TEMPORARY_API_SCRIPT],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == ["task runs recorded: 2"], out.stdout + out.stderr[-2000:]
